@@ -1,0 +1,1 @@
+"""Triton kernels, installed as `megatrain_cli.kernels` (see pyproject's package-dir)."""

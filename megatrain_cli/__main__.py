@@ -1,0 +1,3 @@
+from megatrain_cli.cli import main
+
+main()

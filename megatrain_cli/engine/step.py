@@ -1,0 +1,272 @@
+"""One training step: forward / head / block recompute / backward / optimizer, driven by the schedule.
+
+The math is the HF modules' (through templates); the order is schedule.py's; the bytes move through
+transfers.py. This file only walks the schedule and keeps the per-micro-batch tensors in between.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
+from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
+from megatrain_cli.engine.transfers import GradSink, WeightStreamer
+from megatrain_cli.optim.cpu_adamw import HostAdamW, clip_coefficient
+from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.tiles import HostStore
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, T] int64 (host)
+    labels: torch.Tensor  # [B, T], IGNORE_INDEX where no loss (unshifted, as HF)
+    position_ids: torch.Tensor | None = None  # [B, T]; resets to 0 where a packed document starts
+
+
+@dataclass
+class StepResult:
+    losses: list[float]  # mean loss per micro-batch (its own tokens)
+    loss: float  # token-weighted mean over the step
+    grad_norm: float
+    tokens: int  # input tokens processed
+    loss_tokens: int  # tokens that carried loss
+    skipped: bool = False
+    times: dict = field(default_factory=dict)  # phase -> seconds
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_count: dict = field(default_factory=dict)
+
+
+def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Bool [B,1,T,T] mask (True = attend) for packed rows; None when every row is one document."""
+    starts = position_ids == 0
+    if int(starts[:, 1:].sum()) == 0:
+        return None
+    doc = starts.long().cumsum(-1)
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
+
+
+class Engine:
+    """Drives plain HF layer modules over a host store, one streamed layer at a time."""
+
+    def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
+                 checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
+                 keep_blocks: frozenset[int] = frozenset(), streamer: WeightStreamer | None = None,
+                 sink: GradSink | None = None):
+        self.store, self.train_cfg, self.device = store, train, device
+        self.adapter = store.adapter
+        self.dtype = store.compute_dtype
+        self.interval = checkpoint_interval
+        self.chunk = loss_chunk_tokens
+        self.templates = TemplatePool(self.adapter)
+        self.norm_template = self.adapter.make_norm_template()
+        self.rotary = self.adapter.make_rotary(device)
+        self.streamer = streamer or WeightStreamer(store, device, self.dtype)
+        self.sink = sink or GradSink(store, self.streamer.stats)
+        self.redirect = WeightRedirect(self.streamer.resident)
+        self.streamer.on_bind = self.redirect.bind
+        self.optimizer = HostAdamW(train)
+        self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks)
+        self.keep_blocks = keep_blocks
+
+    # ------------------------------------------------------------ helpers
+    def _weights(self, tile: str, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
+        views = self.store.layouts[tile].views(flat)
+        if grad:
+            views = {k: v.detach().requires_grad_() for k, v in views.items()}
+        return views
+
+    def _layer(self, i: int, weights, h, ctx):
+        pos_emb, mask, pos = ctx
+        return run_bound(self.templates.next_for(i), weights, h, attention_mask=mask, position_ids=pos,
+                         position_embeddings=pos_emb)
+
+    # ------------------------------------------------------------ the step
+    def step(self, micro_batches: list[MicroBatch], lr: float) -> StepResult:
+        """Forward, backward and (unless the gradient is not finite) the optimizer for one step."""
+        res = self.forward_backward(micro_batches)
+        t0 = time.perf_counter()
+        if not res.skipped:
+            coef = clip_coefficient(res.grad_norm, self.train_cfg.max_grad_norm)
+            for tile in self.store.tiles.values():
+                self.optimizer.update(tile, lr, coef)
+            self.streamer.invalidate()
+        res.times["optimizer"] = time.perf_counter() - t0
+        return res
+
+    def forward_backward(self, mbs: list[MicroBatch]) -> StepResult:
+        dev, H = self.device, self.adapter.hidden_size
+        times: dict[str, float] = {}
+        self.streamer.begin_step(fetch_order(self.ops))
+        t_start = time.perf_counter()
+
+        # Per micro-batch inputs. Embedding rows are gathered on the host (only the unique tokens of
+        # the step cross PCIe, never the whole table); labels are shifted once here.
+        ids_all = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
+        uniq, inverse = torch.unique(ids_all, return_inverse=True)
+        rows = self.store.tiles["embed"].master.view(-1, H)[uniq].to(dev, self.dtype)
+        inv_dev = inverse.to(dev)
+        h, ctx, labels, offsets = [], [], [], []
+        n_loss_tokens, start = 0, 0
+        for mb in mbs:
+            b, t = mb.input_ids.shape
+            offsets.append((start, start + b * t))
+            h.append(rows[inv_dev[start:start + b * t]].view(b, t, H))
+            start += b * t
+            pos = mb.position_ids if mb.position_ids is not None else torch.arange(t).expand(b, t)
+            pos = pos.to(dev)
+            ctx.append((self.rotary(h[-1], pos), block_causal_mask(pos), pos))
+            shifted = torch.full_like(mb.labels, IGNORE_INDEX)
+            shifted[:, :-1] = mb.labels[:, 1:]
+            labels.append(shifted.to(dev))
+            n_loss_tokens += int((shifted != IGNORE_INDEX).sum())
+        norm_scale = 1.0 / max(1, n_loss_tokens)
+        sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
+
+        checkpoints: dict[int, list[torch.Tensor]] = {}
+        graphs: dict[int, tuple[list, list, dict]] = {}  # layer -> (inputs, outputs, leaves)
+        grads_out: list[torch.Tensor] = []
+        losses: list[float] = []
+
+        t0 = time.perf_counter()
+        for op in self.ops:
+            if op.kind == "forward":
+                if op.checkpoint:
+                    checkpoints[op.block] = list(h)
+                flat = self.streamer.acquire(op.tile)
+                if op.grad:
+                    h = self._record_layer(op.layer, flat, h, ctx, graphs)
+                else:
+                    with torch.no_grad():
+                        w = self._weights(op.tile, flat, grad=False)
+                        h = [self._layer(op.layer, w, x, c) for x, c in zip(h, ctx)]
+            elif op.kind == "head":
+                times["forward"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                grads_out, losses, head_grad = self._head(h, labels, norm_scale, sq_norm)
+                h = []
+                times["head"] = time.perf_counter() - t0
+                t0 = time.perf_counter()
+            elif op.kind == "recompute":
+                if op.layer == blocks(self.adapter.num_layers, self.interval)[op.block].start:
+                    h = checkpoints.pop(op.block)
+                flat = self.streamer.acquire(op.tile)
+                h = self._record_layer(op.layer, flat, h, ctx, graphs)
+            elif op.kind == "backward":
+                flat = self.streamer.acquire(op.tile)
+                grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
+            elif op.kind == "embed_backward":
+                self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
+        self.sink.finish()
+        times["backward"] = time.perf_counter() - t0
+
+        # The one host sync of the step: the global gradient norm.
+        grad_norm = float(sq_norm.sqrt())
+        loss_sum = sum(l * n for l, n in losses)
+        total = sum(n for _, n in losses)
+        finite = math.isfinite(grad_norm) and math.isfinite(loss_sum)
+        times["total_fb"] = time.perf_counter() - t_start
+        st = self.streamer.stats
+        return StepResult([l for l, _ in losses], loss_sum / max(1, total), grad_norm,
+                          int(ids_all.numel()), n_loss_tokens, skipped=not finite, times=times,
+                          h2d_bytes=st.h2d_bytes, d2h_bytes=st.d2h_bytes, h2d_count=dict(st.h2d_count))
+
+    # ------------------------------------------------------------ phases
+    def _record_layer(self, i: int, flat, h, ctx, graphs) -> list[torch.Tensor]:
+        """Run layer i on every micro-batch with autograd; the graph refers to weights by tile."""
+        tile = f"layers.{i}"
+        w = self._weights(tile, flat, grad=True)
+        xs = [x.detach().requires_grad_() for x in h]
+        with torch.enable_grad(), self.redirect.hooks():
+            ys = [self._layer(i, w, x, c) for x, c in zip(xs, ctx)]
+        graphs[i] = (xs, ys, w)
+        return [y.detach() for y in ys]
+
+    def _backward_layer(self, i: int, grads_out, graphs, sq_norm) -> list[torch.Tensor]:
+        xs, ys, w = graphs.pop(i)
+        names = list(w)
+        layout = self.store.layouts[f"layers.{i}"]
+        acc = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
+        acc_views = layout.views(acc)
+        grads_in = []
+        for x, y, g in zip(xs, ys, grads_out):
+            out = torch.autograd.grad(y, [x, *w.values()], g)
+            grads_in.append(out[0])
+            for name, gw in zip(names, out[1:]):
+                acc_views[name].add_(gw)
+        sq_norm.add_(acc.square().sum())
+        self.sink.send(f"layers.{i}", acc)
+        return grads_in
+
+    def _head(self, h, labels, norm_scale, sq_norm):
+        """Final norm + LM head + cross-entropy, in token chunks so full logits never exist."""
+        flat = self.streamer.acquire("head")
+        w = self._weights("head", flat, grad=False)
+        norm_w = {k[len("norm."):]: v.detach().requires_grad_() for k, v in w.items() if k.startswith("norm.")}
+        if self.adapter.tied:
+            lm_w = self.streamer.acquire("embed").view(self.adapter.vocab_size, -1)
+        else:
+            lm_w = w["lm_head.weight"]
+        lm_grad = torch.zeros(lm_w.shape, dtype=torch.float32, device=self.device)
+        norm_grad = {k: torch.zeros(v.shape, dtype=torch.float32, device=self.device) for k, v in norm_w.items()}
+        grads_out, losses = [], []
+        for x, lab in zip(h, labels):
+            x = x.detach().requires_grad_()
+            with torch.enable_grad():
+                normed = run_bound(self.norm_template, norm_w, x)
+            flat_n = normed.detach().reshape(-1, normed.shape[-1])
+            flat_l = lab.reshape(-1)
+            d_normed = torch.zeros_like(flat_n)
+            loss_sum = 0.0
+            for lo in range(0, flat_n.shape[0], self.chunk):
+                hi = min(lo + self.chunk, flat_n.shape[0])
+                if not bool((flat_l[lo:hi] != IGNORE_INDEX).any()):
+                    continue
+                n_c = flat_n[lo:hi].detach().requires_grad_()
+                w_c = lm_w.detach().requires_grad_()
+                with torch.enable_grad():
+                    logits = n_c @ w_c.t()
+                    l_sum = torch.nn.functional.cross_entropy(logits.float(), flat_l[lo:hi],
+                                                              ignore_index=IGNORE_INDEX, reduction="sum")
+                gn, gw = torch.autograd.grad(l_sum * norm_scale, [n_c, w_c])
+                d_normed[lo:hi] = gn
+                lm_grad.add_(gw)
+                loss_sum += float(l_sum.detach())
+            n_tok = int((flat_l != IGNORE_INDEX).sum())
+            out = torch.autograd.grad(normed, [x, *norm_w.values()], d_normed.view_as(normed))
+            grads_out.append(out[0])
+            for name, g in zip(norm_w, out[1:]):
+                norm_grad[name].add_(g)
+            losses.append((loss_sum / max(1, n_tok), n_tok))
+        head_layout = self.store.layouts["head"]
+        head_acc = torch.zeros(head_layout.numel, dtype=torch.float32, device=self.device)
+        views = head_layout.views(head_acc)
+        for name, g in norm_grad.items():
+            views["norm." + name].copy_(g)
+        if not self.adapter.tied:
+            views["lm_head.weight"].copy_(lm_grad)
+            lm_grad = None  # sent now; tied weights wait for the embedding rows
+        sq_norm.add_(head_acc.square().sum())
+        self.sink.send("head", head_acc)
+        return grads_out, losses, lm_grad
+
+    def _embed_backward(self, grads_out, uniq, inv_dev, offsets, tied_grad, sq_norm) -> None:
+        H = self.adapter.hidden_size
+        rows = torch.zeros(uniq.numel(), H, dtype=torch.float32, device=self.device)
+        for g, (lo, hi) in zip(grads_out, offsets):
+            rows.index_add_(0, inv_dev[lo:hi], g.reshape(-1, H).float())
+        if tied_grad is not None:
+            tied_grad.index_add_(0, uniq.to(self.device), rows)
+            sq_norm.add_(tied_grad.square().sum())
+            self.sink.send("embed", tied_grad.view(-1))
+        else:
+            sq_norm.add_(rows.square().sum())
+            self.sink.send_rows("embed", rows, uniq)

@@ -1,0 +1,128 @@
+"""How bytes move between the host store and the compute device.
+
+`WeightStreamer` owns a fixed pool of device buffers, two sized to the largest decoder layer and
+one for the head (and, for tied embeddings, one for the embedding table), so the device never holds
+more than two layers' weights. `acquire(tile)` makes a tile resident (least-recently-used slot) and
+returns its flat buffer; the schedule's fetch order tells it what comes next.
+
+This synchronous streamer is the reference path: on the CPU a "transfer" is a plain cast-copy from
+the fp32 master; on CUDA it is a blocking copy. `cuda_pipeline.CudaStreamer` is the overlapped
+version with the same interface.
+
+`GradSink.send` moves one tile's finished fp32 gradient to the host tile, cast to its grad dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatrain_cli.store.tiles import HostStore
+
+
+@dataclass(eq=False)  # identity semantics: a slot is one buffer
+class Slot:
+    buffer: torch.Tensor  # flat device buffer, compute dtype
+    tile: str | None = None
+
+    def flat(self, numel: int) -> torch.Tensor:
+        return self.buffer[:numel]
+
+
+@dataclass
+class TransferStats:
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_count: dict = field(default_factory=dict)  # tile -> transfers this step
+
+    def reset(self) -> None:
+        self.h2d_bytes = self.d2h_bytes = 0
+        self.h2d_count = {}
+
+
+class WeightStreamer:
+    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, layer_slots: int = 2):
+        self.store, self.device, self.dtype = store, device, dtype
+        big = store.largest_layer_numel()
+        self.layer_slots = [Slot(torch.empty(big, dtype=dtype, device=device)) for _ in range(layer_slots)]
+        self.head_slot = Slot(torch.empty(store.layouts["head"].numel, dtype=dtype, device=device))
+        self.embed_slot: Slot | None = None
+        if store.adapter.tied:
+            self.embed_slot = Slot(torch.empty(store.layouts["embed"].numel, dtype=dtype, device=device))
+        self._lru: list[Slot] = list(self.layer_slots)
+        self.stats = TransferStats()
+        self.on_bind = None  # callback(tile, flat) so saved-tensor hooks know which buffer holds what
+
+    # ------------------------------------------------------------ residency
+    def _slot_for(self, tile: str) -> Slot:
+        if tile == "head":
+            return self.head_slot
+        if tile == "embed":
+            assert self.embed_slot is not None, "the full embedding is streamed only when tied"
+            return self.embed_slot
+        for s in self._lru:
+            if s.tile == tile:
+                return s
+        return self._lru[0]  # least recently used
+
+    def resident(self, tile: str) -> torch.Tensor:
+        """The flat device tensor that holds `tile` now (it must be resident)."""
+        slot = self._slot_for(tile)
+        if slot.tile != tile:
+            raise RuntimeError(f"{tile} is not resident on the device")
+        return slot.flat(self.store.layouts[tile].numel)
+
+    def begin_step(self, order: list[str]) -> None:
+        self.stats.reset()
+
+    def acquire(self, tile: str) -> torch.Tensor:
+        slot = self._slot_for(tile)
+        if slot in self._lru:
+            self._lru.remove(slot)
+            self._lru.append(slot)
+        numel = self.store.layouts[tile].numel
+        if slot.tile != tile:
+            self._copy_in(tile, slot.flat(numel))
+            slot.tile = tile
+            self.stats.h2d_bytes += numel * slot.buffer.element_size()
+            self.stats.h2d_count[tile] = self.stats.h2d_count.get(tile, 0) + 1
+        flat = slot.flat(numel)
+        if self.on_bind is not None:
+            self.on_bind(tile, flat)
+        return flat
+
+    def invalidate(self) -> None:
+        """Forget residency (after the optimizer changed the masters)."""
+        for s in [*self.layer_slots, self.head_slot, self.embed_slot]:
+            if s is not None:
+                s.tile = None
+
+    def _copy_in(self, tile: str, dst: torch.Tensor) -> None:
+        dst.copy_(self.store.tiles[tile].master)  # cast fp32 -> compute dtype on the way
+
+    def device_bytes(self) -> int:
+        slots = [*self.layer_slots, self.head_slot] + ([self.embed_slot] if self.embed_slot else [])
+        return sum(s.buffer.numel() * s.buffer.element_size() for s in slots)
+
+
+class GradSink:
+    """Gradients leave the device: a tile's fp32 gradient lands in its host tile's grad section."""
+
+    def __init__(self, store: HostStore, stats: TransferStats):
+        self.store, self.stats = store, stats
+
+    def send(self, tile: str, grad: torch.Tensor) -> None:
+        dst = self.store.tiles[tile].grad
+        dst.copy_(grad)
+        self.stats.d2h_bytes += grad.numel() * dst.element_size()
+
+    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor) -> None:
+        """Sparse embedding gradient: only the rows the batch touched are non-zero."""
+        dst = self.store.tiles[tile].grad.view(-1, rows.shape[1])
+        dst.zero_()
+        dst.index_copy_(0, index.to(dst.device), rows.to(dst.device, dst.dtype))
+        self.stats.d2h_bytes += rows.numel() * dst.element_size()
+
+    def finish(self) -> None:
+        """Wait until every gradient sent has landed (no-op on the synchronous path)."""

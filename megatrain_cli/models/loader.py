@@ -1,0 +1,124 @@
+"""Fill the host store: from a local HF directory (safetensors, tensor by tensor) or random init.
+
+Loading never holds a second full copy of the model: each tensor is read from its shard with
+`safe_open`, cast into its fp32 master slot, and dropped before the next one is read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from megatrain_cli.models.adapter import ModelAdapter
+from megatrain_cli.store.tiles import HostStore
+
+
+class ModelLoadError(ValueError):
+    pass
+
+
+def load_hf_config(path: str | Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ModelLoadError(f"model path does not exist or is not a directory: {p}")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(f"no config.json in {p}: not a Hugging Face model directory")
+    return AutoConfig.from_pretrained(str(p), trust_remote_code=trust_remote_code, local_files_only=True)
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return sorted({path / f for f in weight_map.values()})
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        bins = list(path.glob("*.bin")) + list(path.glob("*.pt"))
+        hint = " (only pickle checkpoints found; convert them to safetensors first)" if bins else ""
+        raise ModelLoadError(f"no *.safetensors files in {path}{hint}")
+    return files
+
+
+def load_weights(store: HostStore, path: str | Path) -> None:
+    """Copy every tensor of the checkpoint into its master slot; refuse missing or unexpected names."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    targets = {hf: (tname, slot) for hf, tname, slot in store.hf_items()}
+    seen: set[str] = set()
+    unexpected: list[str] = []
+    for file in safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                if key not in targets:
+                    if key == "lm_head.weight" and store.adapter.tied:
+                        continue  # some tied checkpoints still carry a copy
+                    if key.endswith("rotary_emb.inv_freq"):
+                        continue
+                    unexpected.append(key)
+                    continue
+                tname, slot = targets[key]
+                tensor = f.get_tensor(key)
+                if tuple(tensor.shape) != slot.shape:
+                    raise ModelLoadError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
+                                         f"the config implies {slot.shape}")
+                store.master_view(tname, slot).copy_(tensor)
+                seen.add(key)
+                del tensor
+    missing = sorted(set(targets) - seen)
+    if missing or unexpected:
+        raise ModelLoadError(f"checkpoint in {path} does not match its config: missing {missing[:5]}"
+                             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}")
+
+
+def random_init(store: HostStore, seed: int = 0, threads: int | None = None) -> None:
+    """HF-style init (normal(0, initializer_range) for matrices, ones for norms, zeros for biases).
+
+    Each tile gets its own generator seeded from (seed, tile index), so the result does not depend
+    on the thread count; tiles are filled in parallel (torch releases the GIL in normal_).
+    """
+    std = store.adapter.init_std()
+    names = list(store.tiles)
+
+    def fill(i: int) -> None:
+        tile = store.tiles[names[i]]
+        gen = torch.Generator().manual_seed(seed * 100_003 + i)
+        for slot in tile.layout.slots:
+            view = tile.master[slot.offset:slot.offset + slot.numel]
+            if len(slot.shape) >= 2:
+                view.normal_(0.0, std, generator=gen)
+            elif "norm" in slot.name:
+                view.fill_(1.0)
+            else:
+                view.zero_()
+
+    threads = threads or min(len(names), os.cpu_count() or 1)
+    if threads <= 1:
+        for i in range(len(names)):
+            fill(i)
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)  # one tile per thread; avoid oversubscribing the intra-op pool
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(fill, range(len(names))))
+    finally:
+        torch.set_num_threads(prev)
+
+
+def build_store(config, compute_dtype: torch.dtype, *, weights_path: str | Path | None = None,
+                seed: int = 0) -> HostStore:
+    adapter = ModelAdapter(config)
+    store = HostStore(adapter, compute_dtype)
+    if weights_path is not None:
+        load_weights(store, weights_path)
+    else:
+        random_init(store, seed)
+    store.zero_state()
+    return store

@@ -1,0 +1,86 @@
+"""The reference every parity test compares against: a plain HF model trained with torch AdamW."""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain_cli.engine.step import IGNORE_INDEX, MicroBatch
+from megatrain_cli.optim.cpu_adamw import lr_at
+from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.tiles import HostStore
+
+
+def tiny_config(arch: str = "Qwen2ForCausalLM", *, layers: int = 3, tied: bool = False, vocab: int = 97,
+                hidden: int = 32, heads: int = 4, kv_heads: int = 2, inter: int = 48):
+    from transformers import AutoConfig
+
+    model_type = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                  "Qwen3ForCausalLM": "qwen3"}[arch]
+    extra = {"head_dim": hidden // heads} if model_type in ("qwen3", "mistral") else {}
+    return AutoConfig.for_model(model_type, hidden_size=hidden, num_hidden_layers=layers,
+                                num_attention_heads=heads, num_key_value_heads=kv_heads,
+                                intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
+                                max_position_embeddings=256, architectures=[arch], **extra)
+
+
+def reference_model(store: HostStore, config, dtype=torch.float32, device="cpu"):
+    """An HF model holding exactly the store's current master weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(store.hf_state_dict(), strict=False)
+    assert not unexpected, unexpected
+    assert all(k == "lm_head.weight" for k in missing), missing  # tied head comes from the embedding
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    return model.to(device=device, dtype=dtype)
+
+
+def param_groups(model, weight_decay: float):
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, total_steps: int):
+    """Plain training: per-micro-batch losses, global token-mean gradient, clip, AdamW."""
+    opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
+                            eps=cfg.eps, foreach=False)
+    dev = next(model.parameters()).device
+    all_losses = []
+    for s, mbs in enumerate(steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(s, cfg, total_steps)
+        n_tok = sum(int((mb.labels[:, 1:] != IGNORE_INDEX).sum()) for mb in mbs)
+        losses = []
+        for mb in mbs:
+            kw = {} if mb.position_ids is None else {"position_ids": mb.position_ids.to(dev)}
+            logits = model(input_ids=mb.input_ids.to(dev), **kw).logits.float()
+            lab = mb.labels[:, 1:].to(dev)
+            loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                         lab.reshape(-1), ignore_index=IGNORE_INDEX,
+                                                         reduction="sum")
+            (loss_sum / n_tok).backward()
+            losses.append(float(loss_sum.detach()) / max(1, int((lab != IGNORE_INDEX).sum())))
+        if cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        all_losses.append(losses)
+    return all_losses
+
+
+def random_batches(vocab: int, steps: int, accum: int, batch: int, seq: int, seed: int = 0,
+                   prompt_len: int = 5):
+    """Token batches whose first `prompt_len` tokens carry no loss (as a prompt would)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        mbs = []
+        for _ in range(accum):
+            ids = torch.randint(0, vocab, (batch, seq), generator=g)
+            labels = ids.clone()
+            labels[:, :prompt_len] = IGNORE_INDEX
+            mbs.append(MicroBatch(ids, labels))
+        out.append(mbs)
+    return out
