@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_cli.engine.step import IGNORE_INDEX, MicroBatch
+from megatrain_cli.engine.step import IGNORE_INDEX, MicroBatch, block_causal_mask
 from megatrain_cli.optim.cpu_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.tiles import HostStore
@@ -54,7 +54,10 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
         n_tok = sum(int((mb.labels[:, 1:] != IGNORE_INDEX).sum()) for mb in mbs)
         losses = []
         for mb in mbs:
-            kw = {} if mb.position_ids is None else {"position_ids": mb.position_ids.to(dev)}
+            kw = {}
+            if mb.position_ids is not None:  # packed rows: the plain model gets the block-causal 4D mask
+                pos = mb.position_ids.to(dev)
+                kw = {"position_ids": pos, "attention_mask": block_causal_mask(pos)}
             logits = model(input_ids=mb.input_ids.to(dev), **kw).logits.float()
             lab = mb.labels[:, 1:].to(dev)
             loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
