@@ -1,0 +1,135 @@
+"""metrics.py: FLOP formulas against hand arithmetic, peak lookup, /proc readers, the JSONL log."""
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from megatrain_cli.metrics import (PEAK_BF16_TFLOPS, JsonlLog, StepMetrics, TensorBoardLog, executed_flops,
+                                   host_memory_bytes, host_rss_bytes, model_flops, peak_tflops)
+
+
+def cpu_metrics(step: int = 3, **overrides) -> StepMetrics:
+    values = dict(step=step, total_steps=10, loss=2.5, lr=1e-5, grad_norm=0.75, tokens=4096, loss_tokens=4000,
+                  step_time_s=2.0, tokens_per_s=2048.0, model_tflops=0.012, executed_tflops=0.016,
+                  host_rss_bytes=3 * 2**30, time_forward_s=0.5, time_backward_s=1.2, time_optimizer_s=0.3,
+                  eta_s=14.0)
+    values.update(overrides)
+    return StepMetrics(**values)
+
+
+# ---------------------------------------------------------------- FLOPs
+def test_model_flops_matches_hand_calculation():
+    # 1000 matmul params, batch 2 x seq 16 = 32 tokens, hidden 8, 3 layers:
+    # params part 6 * 1000 * 32 = 192,000; causal attention 6 * 2 * 16^2 * 8 * 3 = 73,728.
+    assert model_flops(1000, 32, 2, 16, 8, 3) == 192_000 + 73_728
+
+
+def test_model_flops_attention_is_half_of_full_attention():
+    # Only the attention term: no params. Full attention would be 12*b*s^2*h*L.
+    b, s, h, layers = 4, 128, 64, 2
+    assert model_flops(0, b * s, b, s, h, layers) == 12 * b * s * s * h * layers / 2
+
+
+def test_executed_flops_adds_one_third_per_recomputed_fraction():
+    assert executed_flops(600.0, 0.0) == 600.0
+    assert executed_flops(600.0, 1.0) == 800.0  # the forward (2 of 6) runs twice
+    assert executed_flops(600.0, 0.5) == 700.0
+    # The head is never recomputed: only 600 - 60 = 540 gets the extra third.
+    assert executed_flops(600.0, 1.0, head_flops=60.0) == 780.0
+    with pytest.raises(ValueError):
+        executed_flops(600.0, 1.5)
+
+
+# ---------------------------------------------------------------- peaks
+def test_peak_tflops_by_device_name():
+    assert peak_tflops("NVIDIA H200") == PEAK_BF16_TFLOPS["H200"] == 989.0
+    assert peak_tflops("NVIDIA H200 NVL") == PEAK_BF16_TFLOPS["H200 NVL"] != PEAK_BF16_TFLOPS["H200"]
+    assert peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert peak_tflops("NVIDIA GeForce RTX 4090") == PEAK_BF16_TFLOPS["RTX 4090"]
+    assert peak_tflops("NVIDIA L40S") == PEAK_BF16_TFLOPS["L40S"] != PEAK_BF16_TFLOPS["L40"]
+
+
+def test_peak_tflops_unknown_or_cpu_is_none():
+    assert peak_tflops("cpu") is None
+    assert peak_tflops(None) is None
+    assert peak_tflops("") is None
+    assert peak_tflops("Tesla V100-SXM2-16GB") is None  # no bf16 tensor cores: not in the table
+    assert peak_tflops("NVIDIA RTX A1000") is None  # must not match 'A100' or 'A10' inside a word
+
+
+def test_every_table_key_resolves_to_itself():
+    # A shorter key must never shadow a longer one ('H200' inside 'H200 NVL', 'L40' inside 'L40S').
+    for key, value in PEAK_BF16_TFLOPS.items():
+        assert peak_tflops(f"NVIDIA {key}") == value, key
+
+
+# ---------------------------------------------------------------- /proc
+def test_host_rss_grows_when_memory_is_touched():
+    before = host_rss_bytes()
+    block = bytearray(64 * 2**20)  # zero-filled, so every page is written and resident
+    after = host_rss_bytes()
+    assert after - before >= 48 * 2**20
+    del block
+
+
+def test_host_memory_is_machine_total():
+    total = host_memory_bytes()
+    with open("/proc/meminfo") as f:
+        kb = int(next(line for line in f if line.startswith("MemTotal:")).split()[1])
+    assert total == kb * 1024
+    assert total > host_rss_bytes()
+
+
+# ---------------------------------------------------------------- StepMetrics and logs
+def test_to_json_has_every_field_and_none_for_unmeasured():
+    record = cpu_metrics().to_json()
+    assert list(record) == [f.name for f in dataclasses.fields(StepMetrics)]
+    for gpu_only in ("h2d_gbps", "d2h_gbps", "overlap", "gpu_mem_bytes", "mfu", "link_peak_gbps"):
+        assert record[gpu_only] is None
+    assert record["loss"] == 2.5 and record["tokens"] == 4096
+
+
+def test_to_json_turns_non_finite_into_null():
+    record = cpu_metrics(loss=math.nan, grad_norm=math.inf, skipped_steps=1).to_json()
+    assert record["loss"] is None and record["grad_norm"] is None and record["skipped_steps"] == 1
+    json.dumps(record, allow_nan=False)  # strict JSON
+
+
+def test_jsonl_log_appends_flushed_lines_with_every_key(tmp_path):
+    path = tmp_path / "deep" / "run" / "metrics.jsonl"
+    log = JsonlLog(path)
+    for step in (1, 2, 3):
+        log.write(cpu_metrics(step=step, loss=3.0 - step / 10))
+    # Read before close: each line must already be on disk (a crash loses nothing).
+    lines = path.read_text().splitlines()
+    assert len(lines) == 3
+    keys = [f.name for f in dataclasses.fields(StepMetrics)]
+    records = [json.loads(line) for line in lines]
+    for step, record in zip((1, 2, 3), records):
+        assert sorted(record) == sorted(keys)
+        assert record["step"] == step
+    assert records[1]["loss"] == pytest.approx(2.8)
+    log.close()
+    # A second log on the same path appends (a resumed run), never truncates.
+    with JsonlLog(path) as again:
+        again.write(cpu_metrics(step=4))
+    assert len(path.read_text().splitlines()) == 4
+
+
+def test_tensorboard_log_is_a_noop_without_tensorboard(tmp_path):
+    log = TensorBoardLog(tmp_path / "tb")
+    try:
+        import tensorboard  # noqa: F401
+    except ImportError:
+        assert log.available is False
+        log.write(cpu_metrics())  # must not raise
+        assert not (tmp_path / "tb").exists()
+    else:
+        assert log.available is True
+        log.write(cpu_metrics())
+        assert any((tmp_path / "tb").iterdir())
+    log.close()
