@@ -16,6 +16,7 @@ from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_orde
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
 from megatrain_cli.engine.transfers import GradSink, WeightStreamer
 from megatrain_cli.optim.cpu_adamw import HostAdamW, clip_coefficient
+from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.tiles import HostStore
 
@@ -59,8 +60,8 @@ class Engine:
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
                  checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
-                 keep_blocks: frozenset[int] = frozenset(), streamer: WeightStreamer | None = None,
-                 sink: GradSink | None = None):
+                 keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
+                 double_buffer: bool = True, overlap_optimizer: bool = False):
         self.store, self.train_cfg, self.device = store, train, device
         self.adapter = store.adapter
         self.dtype = store.compute_dtype
@@ -69,11 +70,21 @@ class Engine:
         self.templates = TemplatePool(self.adapter)
         self.norm_template = self.adapter.make_norm_template()
         self.rotary = self.adapter.make_rotary(device)
-        self.streamer = streamer or WeightStreamer(store, device, self.dtype)
-        self.sink = sink or GradSink(store, self.streamer.stats)
+        self.optimizer = HostAdamW(train)
+        self.worker = OptimizerWorker(self.optimizer, store) if overlap_optimizer else None
+        before_read = self.worker.wait if self.worker else None
+        if device.type == "cuda":
+            from megatrain_cli.engine.cuda_pipeline import CudaGradSink, CudaStreamer
+
+            self.streamer = CudaStreamer(store, device, self.dtype, layer_slots=layer_slots,
+                                         double_buffer=double_buffer, before_read=before_read)
+            self.sink = CudaGradSink(store, self.streamer.stats, device, slabs=grad_slabs)
+        else:
+            self.streamer = WeightStreamer(store, device, self.dtype, layer_slots=layer_slots,
+                                           before_read=before_read)
+            self.sink = GradSink(store, self.streamer.stats)
         self.redirect = WeightRedirect(self.streamer.resident)
         self.streamer.on_bind = self.redirect.bind
-        self.optimizer = HostAdamW(train)
         self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks)
         self.keep_blocks = keep_blocks
 
@@ -96,11 +107,29 @@ class Engine:
         t0 = time.perf_counter()
         if not res.skipped:
             coef = clip_coefficient(res.grad_norm, self.train_cfg.max_grad_norm)
-            for tile in self.store.tiles.values():
-                self.optimizer.update(tile, lr, coef)
             self.streamer.invalidate()
+            if self.worker is not None:  # runs on while the next step's forward streams
+                self.worker.submit(self.update_order(), lr, coef)
+            else:
+                for name in self.update_order():
+                    self.optimizer.update(self.store.tiles[name], lr, coef)
         res.times["optimizer"] = time.perf_counter() - t0
         return res
+
+    def update_order(self) -> list[str]:
+        """The order the next forward reads tiles: embedding rows, layers, head."""
+        return ["embed", *self.store.layer_names, "head"]
+
+    def synchronize(self) -> None:
+        """Wait for every pending update (before reading masters: checkpoint, export, eval)."""
+        if self.worker is not None:
+            self.worker.drain()
+
+    def close(self) -> None:
+        self.synchronize()
+        for part in (self.worker, self.streamer, self.sink):
+            if part is not None and hasattr(part, "close"):
+                part.close()
 
     def forward_backward(self, mbs: list[MicroBatch]) -> StepResult:
         dev, H = self.device, self.adapter.hidden_size
@@ -110,6 +139,8 @@ class Engine:
 
         # Per micro-batch inputs. Embedding rows are gathered on the host (only the unique tokens of
         # the step cross PCIe, never the whole table); labels are shifted once here.
+        if self.worker is not None:
+            self.worker.wait("embed")
         ids_all = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
         uniq, inverse = torch.unique(ids_all, return_inverse=True)
         rows = self.store.tiles["embed"].master.view(-1, H)[uniq].to(dev, self.dtype)

@@ -42,7 +42,8 @@ class TransferStats:
 
 
 class WeightStreamer:
-    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, layer_slots: int = 2):
+    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, layer_slots: int = 2,
+                 before_read=None):
         self.store, self.device, self.dtype = store, device, dtype
         big = store.largest_layer_numel()
         self.layer_slots = [Slot(torch.empty(big, dtype=dtype, device=device)) for _ in range(layer_slots)]
@@ -53,6 +54,7 @@ class WeightStreamer:
         self._lru: list[Slot] = list(self.layer_slots)
         self.stats = TransferStats()
         self.on_bind = None  # callback(tile, flat) so saved-tensor hooks know which buffer holds what
+        self.before_read = before_read  # tile -> None: blocks until the host optimizer is done with it
 
     # ------------------------------------------------------------ residency
     def _slot_for(self, tile: str) -> Slot:
@@ -99,7 +101,12 @@ class WeightStreamer:
                 s.tile = None
 
     def _copy_in(self, tile: str, dst: torch.Tensor) -> None:
+        if self.before_read is not None:
+            self.before_read(tile)
         dst.copy_(self.store.tiles[tile].master)  # cast fp32 -> compute dtype on the way
+
+    def pinned_bytes(self) -> int:
+        return 0
 
     def device_bytes(self) -> int:
         slots = [*self.layer_slots, self.head_slot] + ([self.embed_slot] if self.embed_slot else [])
@@ -126,3 +133,6 @@ class GradSink:
 
     def finish(self) -> None:
         """Wait until every gradient sent has landed (no-op on the synchronous path)."""
+
+    def pinned_bytes(self) -> int:
+        return 0

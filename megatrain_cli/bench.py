@@ -1,0 +1,214 @@
+"""`megatrain bench`: full training steps of a random-init preset on synthetic tokens, and the same
+model under a baseline in the same run.
+
+Model TFLOPS = (6 x matmul params x tokens + 6 x batch x seq^2 x hidden x layers) / step time: the
+causal-attention term is half of full attention's 12bs^2hL; recompute is NOT counted; the embedding
+lookup is not a matmul and is not counted (the LM head is). Executed TFLOPS adds the recomputed
+forward (2 x params x tokens per recomputed layer).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from megatrain_cli.engine.step import Engine, MicroBatch
+from megatrain_cli.models.loader import build_store
+from megatrain_cli.presets import PRESETS
+from megatrain_cli.recipe import TrainConfig
+
+
+def parse_tokens(text: str | int) -> int:
+    """'512k' -> 524288, '4096' -> 4096."""
+    s = str(text).strip().lower()
+    mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+def causal_lm_flops(matmul_params: int, batch: int, seq: int, hidden: int, layers: int) -> float:
+    tokens = batch * seq
+    return 6.0 * matmul_params * tokens + 6.0 * batch * seq * seq * hidden * layers
+
+
+def host_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass
+class BenchResult:
+    name: str
+    model: str
+    batch: int
+    seq: int
+    steps: int
+    step_time_s: float
+    tokens_per_s: float
+    model_tflops: float
+    executed_tflops: float
+    peak_device_bytes: int
+    host_rss_bytes: int
+    host_peak_rss_bytes: int = 0
+    bytes_per_param: float = 0.0
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    overlap: float | None = None
+    split: dict = field(default_factory=dict)
+    losses: list = field(default_factory=list)
+    notes: str = ""
+
+
+def synthetic_batch(vocab: int, batch: int, seq: int, seed: int) -> MicroBatch:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return MicroBatch(ids, ids.clone())
+
+
+def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: int = 1,
+                 checkpoint_interval: int = 4, layer_slots: int = 2, double_buffer: bool = True,
+                 overlap_optimizer: bool = True, grad_slabs: int = 12, loss_chunk_tokens: int = 8192,
+                 device: str = "cuda", warmup: int = 1, log=print) -> BenchResult:
+    p = PRESETS[preset]
+    config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
+    dev = torch.device(device)
+    t0 = time.perf_counter()
+    store = build_store(config, torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=0)
+    log(f"[bench] host store ready: {store.num_params() / 1e9:.2f} B params, "
+        f"{store.host_bytes() / 2**30:.1f} GiB, init {time.perf_counter() - t0:.1f} s")
+    cfg = TrainConfig(steps=steps + warmup, lr=1e-5, max_grad_norm=1.0, grad_accum=grad_accum,
+                      micro_batch_size=batch, seq_len=seq)
+    engine = Engine(store, cfg, device=dev, checkpoint_interval=checkpoint_interval,
+                    loss_chunk_tokens=loss_chunk_tokens, layer_slots=layer_slots, grad_slabs=grad_slabs,
+                    double_buffer=double_buffer, overlap_optimizer=overlap_optimizer)
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(dev)
+    results, losses, stall = [], [], 0.0
+    t_timed = None
+    for s in range(warmup + steps):
+        mbs = [synthetic_batch(config.vocab_size, batch, seq, seed=s * 97 + k) for k in range(grad_accum)]
+        if s == warmup:
+            engine.synchronize()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t_timed = time.perf_counter()
+        t_s = time.perf_counter()
+        res = engine.step(mbs, 1e-5)
+        losses.append(res.loss)
+        if s >= warmup:
+            results.append(res)
+            if dev.type == "cuda":
+                stall += engine.streamer.stall_seconds()
+        log(f"[bench] step {s}{' (warm-up)' if s < warmup else ''}: loss {res.loss:.4f} "
+            f"{time.perf_counter() - t_s:.2f} s {({k: round(v, 2) for k, v in res.times.items()})}")
+    engine.synchronize()  # the last step's updates count too
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    wall = time.perf_counter() - t_timed
+    step_time = wall / steps
+    tokens = batch * seq * grad_accum
+    matmul_params = store.num_params() - store.layouts["embed"].numel + (
+        store.layouts["embed"].numel if store.adapter.tied else 0)
+    layer_params = sum(store.layouts[n].numel for n in store.layer_names)
+    flops = causal_lm_flops(matmul_params, batch * grad_accum, seq, config.hidden_size, config.num_hidden_layers)
+    recomputed = 2.0 * layer_params * tokens + 2.0 * batch * grad_accum * seq * seq * config.hidden_size * config.num_hidden_layers
+    h2d = sum(r.h2d_bytes for r in results) / wall / 1e9
+    d2h = sum(r.d2h_bytes for r in results) / wall / 1e9
+    split = {k: round(sum(r.times.get(k, 0.0) for r in results) / steps, 3)
+             for k in ("forward", "head", "backward", "optimizer")}
+    split["gpu_stall_on_weights"] = round(stall / steps, 3)
+    peak_dev = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
+    result = BenchResult(
+        name="megatrain", model=preset, batch=batch * grad_accum, seq=seq, steps=steps, step_time_s=step_time,
+        tokens_per_s=tokens / step_time, model_tflops=flops / step_time / 1e12,
+        executed_tflops=(flops + recomputed) / step_time / 1e12, peak_device_bytes=peak_dev,
+        host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(),
+        bytes_per_param=store.host_bytes() / store.num_params(), h2d_gbps=h2d, d2h_gbps=d2h,
+        overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=losses,
+        notes=f"checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} "
+              f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} "
+              f"h2d_per_layer={results[-1].h2d_count.get('layers.1', 0)}")
+    engine.close()
+    del engine, store
+    gc.collect()
+    return result
+
+
+def bench_native(preset: str, batch: int, seq: int, steps: int, *, warmup: int = 1, log=print) -> BenchResult:
+    """The same model entirely on the GPU: bf16 weights, HF gradient checkpointing, fused torch AdamW
+    on the device. (bf16 optimizer state: the fastest and leanest way PyTorch runs it natively.)"""
+    from transformers import AutoModelForCausalLM
+
+    p = PRESETS[preset]
+    config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
+    dev = torch.device("cuda")
+    with torch.device(dev):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+    model.gradient_checkpointing_enable()
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    torch.cuda.reset_peak_memory_stats(dev)
+    losses, t_timed = [], None
+    for s in range(warmup + steps):
+        if s == warmup:
+            torch.cuda.synchronize(dev)
+            t_timed = time.perf_counter()
+        mb = synthetic_batch(config.vocab_size, batch, seq, seed=s * 97)
+        out = model(input_ids=mb.input_ids.to(dev), labels=mb.labels.to(dev))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(out.loss))
+        log(f"[native] step {s}: loss {losses[-1]:.4f}")
+    torch.cuda.synchronize(dev)
+    wall = time.perf_counter() - t_timed
+    n_params = sum(p.numel() for p in model.parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    matmul = n_params - emb + (emb if config.tie_word_embeddings else 0)
+    flops = causal_lm_flops(matmul, batch, seq, config.hidden_size, config.num_hidden_layers)
+    step_time = wall / steps
+    res = BenchResult(
+        name="native", model=preset, batch=batch, seq=seq, steps=steps, step_time_s=step_time,
+        tokens_per_s=batch * seq / step_time, model_tflops=flops / step_time / 1e12,
+        executed_tflops=flops * 4 / 3 / step_time / 1e12, peak_device_bytes=torch.cuda.max_memory_allocated(dev),
+        host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(), losses=losses,
+        notes="bf16 params+grads+AdamW state on the GPU, HF gradient checkpointing, fused AdamW")
+    del model, opt
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def format_table(results: list[BenchResult]) -> str:
+    head = (f"{'run':<10} {'model':<6} {'tokens':>9} {'step s':>7} {'tok/s':>8} {'model TF':>9} {'exec TF':>8} "
+            f"{'H2D GB/s':>9} {'D2H GB/s':>9} {'overlap':>8} {'dev GiB':>8} {'RSS GiB':>8} {'B/param':>8}")
+    lines = [head]
+    for r in results:
+        f = lambda v, fmt: "n/a" if v is None else format(v, fmt)  # noqa: E731
+        lines.append(f"{r.name:<10} {r.model:<6} {r.batch}x{r.seq:<6} {r.step_time_s:7.2f} {r.tokens_per_s:8.0f} "
+                     f"{r.model_tflops:9.1f} {r.executed_tflops:8.1f} {f(r.h2d_gbps, '9.1f'):>9} "
+                     f"{f(r.d2h_gbps, '9.1f'):>9} {f(r.overlap, '8.1%'):>8} {r.peak_device_bytes / 2**30:8.1f} "
+                     f"{r.host_rss_bytes / 2**30:8.1f} {r.bytes_per_param:8.1f}")
+    if len(results) > 1:
+        base = results[-1]
+        for r in results[:-1]:
+            lines.append(f"{r.name} / {base.name}: {r.tokens_per_s / base.tokens_per_s:.2f}x tokens/s")
+    return "\n".join(lines)
+
+
+def to_json(results: list[BenchResult]) -> str:
+    return json.dumps([asdict(r) for r in results], indent=2)

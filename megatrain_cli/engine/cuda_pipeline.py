@@ -1,0 +1,236 @@
+"""The overlapped CUDA path: three streams ordered by events, pinned staging, a packer thread, and
+gradient slabs drained by a host thread. Same interface as transfers.WeightStreamer / GradSink.
+
+    compute stream   the layers (torch's current stream)
+    H2D stream       weights: pinned staging -> device slot; waits on the slot's Buffer-Free event,
+                     records Weights-Ready; compute waits on Weights-Ready before binding the slot
+    D2H stream       gradients: waits on Backward-Done (recorded by compute), copies into a pinned
+                     slab, records Slab-Full; a host thread waits on it and lands the slab in the tile
+
+Costs, per layer: one host cast fp32 -> bf16 into pinned memory (the packer thread, overlapping
+compute: torch releases the GIL in copy_), one H2D burst, and on the way back one D2H burst plus one
+host copy into the tile. The only host-side waits on the hot path are the packer's, on its own
+staging buffers, in its own thread; the compute thread waits only when a transfer is late.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from megatrain_cli.engine.transfers import GradSink, Slot, TransferStats, WeightStreamer
+from megatrain_cli.store.tiles import HostStore
+
+
+class _DeviceSlot(Slot):
+    def __init__(self, buffer: torch.Tensor):
+        super().__init__(buffer)
+        self.ready = torch.cuda.Event()  # Weights-Ready: recorded on H2D after the copy
+        self.free = torch.cuda.Event()  # Buffer-Free: recorded on compute after the last use
+        self.free.record()  # nothing uses a new slot
+        self.pending: Future | None = None
+
+
+class CudaStreamer(WeightStreamer):
+    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, *, layer_slots: int = 2,
+                 staging_numel: int | None = None, double_buffer: bool = True, before_read=None):
+        self.store, self.device, self.dtype = store, device, dtype
+        big = store.largest_layer_numel()
+        self.layer_slots = [_DeviceSlot(torch.empty(big, dtype=dtype, device=device)) for _ in range(layer_slots)]
+        self.head_slot = _DeviceSlot(torch.empty(store.layouts["head"].numel, dtype=dtype, device=device))
+        self.embed_slot = None
+        if store.adapter.tied:
+            self.embed_slot = _DeviceSlot(torch.empty(store.layouts["embed"].numel, dtype=dtype, device=device))
+        self._lru = list(self.layer_slots)
+        self.stats = TransferStats()
+        self.on_bind = None
+        self.before_read = before_read  # tile -> None; blocks until the optimizer is done with it
+        self.double_buffer = double_buffer
+        # Two pinned staging buffers: the packer fills one while the other is in flight.
+        self.staging_numel = staging_numel or big
+        self.staging = [torch.empty(self.staging_numel, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.staging_done = [torch.cuda.Event() for _ in range(2)]
+        self.h2d = torch.cuda.Stream(device)
+        self.compute = torch.cuda.current_stream(device)
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="megatrain-packer")
+        self._order: list[str] = []
+        self._cursor = 0
+        self._current: _DeviceSlot | None = None
+        self._stalls: list = []
+        self.wait_s = 0.0  # host time the compute thread spent waiting for late weights
+
+    def pinned_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.staging)
+
+    def begin_step(self, order: list[str]) -> None:
+        self.stats.reset()
+        self._order, self._cursor = order, 0
+        self.wait_s = 0.0
+        self._stalls = []
+
+    def stall_seconds(self) -> float:
+        """GPU time the compute stream sat waiting for weights this step (call after a sync)."""
+        return sum(b.elapsed_time(a) for b, a in self._stalls) / 1e3
+
+    # ------------------------------------------------------------ transfers (packer thread)
+    def _transfer(self, tile: str, slot: _DeviceSlot) -> None:
+        if self.before_read is not None:
+            self.before_read(tile)
+        master = self.store.tiles[tile].master
+        n = master.numel()
+        with torch.cuda.stream(self.h2d):
+            self.h2d.wait_event(slot.free)  # GPU-side: compute is done with the slot's old contents
+            for k, lo in enumerate(range(0, n, self.staging_numel)):
+                hi = min(n, lo + self.staging_numel)
+                i = k % 2
+                self.staging_done[i].synchronize()  # host: the last H2D out of this staging buffer is done
+                self.staging[i][:hi - lo].copy_(master[lo:hi])  # cast fp32 -> compute dtype, on the CPU
+                slot.buffer[lo:hi].copy_(self.staging[i][:hi - lo], non_blocking=True)
+                self.staging_done[i].record(self.h2d)
+            slot.ready.record(self.h2d)
+
+    def _start(self, tile: str, slot: _DeviceSlot) -> None:
+        slot.tile = tile
+        numel = self.store.layouts[tile].numel
+        self.stats.h2d_bytes += numel * slot.buffer.element_size()
+        self.stats.h2d_count[tile] = self.stats.h2d_count.get(tile, 0) + 1
+        slot.pending = self._packer.submit(self._transfer, tile, slot)
+
+    def _prefetch_next(self, current: str) -> None:
+        """Start the next tile in fetch order into the least-recently-used free layer slot."""
+        while self._cursor < len(self._order) and self._order[self._cursor] == current:
+            self._cursor += 1
+        if not self.double_buffer or self._cursor >= len(self._order):
+            return
+        nxt = self._order[self._cursor]
+        slot = self._slot_for(nxt)
+        if slot.tile == nxt:
+            return  # already resident or in flight
+        if slot in self._lru and self._lru[-1] is slot:
+            return  # would evict the tile in use
+        self._start(nxt, slot)
+
+    # ------------------------------------------------------------ compute side
+    def acquire(self, tile: str) -> torch.Tensor:
+        try:  # where we are in the step's fetch order (tiles outside it, e.g. a tied embedding, are not)
+            self._cursor = self._order.index(tile, self._cursor)
+        except ValueError:
+            pass
+        slot = self._slot_for(tile)
+        if self._current is not None and self._current is not slot and self._current.tile is not None:
+            self._current.free.record(self.compute)  # Buffer-Free for the slot we are leaving
+        self._current = slot
+        if slot in self._lru:
+            self._lru.remove(slot)
+            self._lru.append(slot)
+        if slot.tile != tile:
+            self._start(tile, slot)
+        if slot.pending is not None:
+            t0 = time.perf_counter()
+            slot.pending.result()  # the packer has enqueued every chunk of this tile
+            self.wait_s += time.perf_counter() - t0
+            slot.pending = None
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(self.compute)
+        self.compute.wait_event(slot.ready)  # Weights-Ready, GPU-side
+        after.record(self.compute)
+        self._stalls.append((before, after))
+        flat = slot.flat(self.store.layouts[tile].numel)
+        if self.on_bind is not None:
+            self.on_bind(tile, flat)
+        self._prefetch_next(tile)
+        return flat
+
+    def _copy_in(self, tile: str, dst: torch.Tensor) -> None:  # pragma: no cover - not used on CUDA
+        raise NotImplementedError
+
+    def invalidate(self) -> None:
+        for s in [*self.layer_slots, self.head_slot, self.embed_slot]:
+            if s is not None:
+                s.free.record(self.compute)
+                s.tile = None
+        self._current = None
+
+    def close(self) -> None:
+        self._packer.shutdown(wait=True)
+
+
+class CudaGradSink(GradSink):
+    """K pinned slabs between the device and the host tiles; a host thread lands them."""
+
+    def __init__(self, store: HostStore, stats: TransferStats, device: torch.device, *, slabs: int = 12,
+                 slab_numel: int | None = None):
+        self.store, self.stats = store, stats
+        self.grad_dtype = store.compute_dtype
+        self.slab_numel = slab_numel or store.largest_layer_numel()
+        self.slabs = [torch.empty(self.slab_numel, dtype=self.grad_dtype, pin_memory=True) for _ in range(slabs)]
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(slabs):
+            self._free.put(i)
+        self.d2h = torch.cuda.Stream(device)
+        self.compute = torch.cuda.current_stream(device)
+        self._work: queue.Queue = queue.Queue()
+        self._errors: list[BaseException] = []
+        self._worker = threading.Thread(target=self._drain, name="megatrain-grad-lander", daemon=True)
+        self._worker.start()
+
+    def pinned_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.slabs)
+
+    def _drain(self) -> None:
+        while True:
+            item = self._work.get()
+            if item is None:
+                self._work.task_done()
+                return
+            slab_index, event, dst, n = item
+            try:
+                event.synchronize()  # Slab-Full: this slab's D2H is done
+                dst.copy_(self.slabs[slab_index][:n])
+            except BaseException as err:  # surfaced by finish()
+                self._errors.append(err)
+            finally:
+                self._free.put(slab_index)
+                self._work.task_done()
+
+    def _send_flat(self, dst: torch.Tensor, grad: torch.Tensor) -> None:
+        done = torch.cuda.Event()
+        done.record(self.compute)  # Backward-Done for this gradient
+        # The device gradient is freed by the compute thread once it goes out of scope: tell the
+        # caching allocator the D2H stream still reads it.
+        grad.record_stream(self.d2h)
+        with torch.cuda.stream(self.d2h):
+            self.d2h.wait_event(done)
+            low = grad.to(self.grad_dtype)  # halve the bytes on the wire for bf16 grads (device-side cast)
+            for lo in range(0, grad.numel(), self.slab_numel):
+                hi = min(grad.numel(), lo + self.slab_numel)
+                i = self._free.get()  # blocks only when all K slabs are in flight
+                self.slabs[i][:hi - lo].copy_(low[lo:hi], non_blocking=True)
+                full = torch.cuda.Event()
+                full.record(self.d2h)
+                self._work.put((i, full, dst[lo:hi], hi - lo))
+            low.record_stream(self.d2h)
+        self.stats.d2h_bytes += grad.numel() * self.slabs[0].element_size()
+
+    def send(self, tile: str, grad: torch.Tensor) -> None:
+        self._send_flat(self.store.tiles[tile].grad, grad)
+
+    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor) -> None:
+        self.finish()
+        dst = self.store.tiles[tile].grad.view(-1, rows.shape[1])
+        dst.zero_()
+        dst.index_copy_(0, index.cpu(), rows.to("cpu", dst.dtype))
+        self.stats.d2h_bytes += rows.numel() * dst.element_size()
+
+    def finish(self) -> None:
+        self._work.join()
+        if self._errors:
+            raise self._errors.pop()
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._worker.join()
