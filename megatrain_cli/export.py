@@ -1,0 +1,159 @@
+"""Export the fp32 masters as a Hugging Face model directory that `from_pretrained` loads.
+
+Same files as transformers' `save_pretrained`: `model.safetensors` when one shard suffices, else
+`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` (greedy split in state-dict order,
+a tensor larger than the limit gets a shard of its own), plus `config.json` with `dtype` set and
+`generation_config.json`. A tied lm_head is not written (it is not in the store; HF re-ties it).
+
+The shards are written with our own safetensors writer, tensor by tensor and in chunks: the cast
+to the export dtype costs at most one 64 MiB chunk of temporary memory, and an fp32 export no copy
+at all. Output is deterministic (byte-identical for the same weights) and atomic (temp dir, rename).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from megatrain_cli.checkpoint import (CheckpointError, fsync_dir, latest_checkpoint, load_tiles,
+                                      publish_dir, safetensors_header, tensor_bytes,
+                                      write_all, write_file_durably)
+from megatrain_cli.store.tiles import HostStore, Slot
+
+DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+CAST_CHUNK_ELEMENTS = 16 << 20  # 64 MiB of fp32 read, cast and written at a time
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+def _plan_shards(items: list[tuple[str, str, Slot]], itemsize: int,
+                 max_shard_bytes: int) -> list[list[tuple[str, str, Slot]]]:
+    """Greedy split in order, as huggingface_hub's split_torch_state_dict_into_shards does."""
+    shards, current, current_bytes = [], [], 0
+    for item in items:
+        size = item[2].numel * itemsize
+        if size > max_shard_bytes:
+            shards.append([item])
+            continue
+        if current and current_bytes + size > max_shard_bytes:
+            shards.append(current)
+            current, current_bytes = [], 0
+        current.append(item)
+        current_bytes += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+def _write_shard(store: HostStore, items: list[tuple[str, str, Slot]], dtype: torch.dtype,
+                 path: Path) -> None:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    entries, offset = [], 0
+    for hf_name, _, slot in items:
+        entries.append((hf_name, DTYPE_CODES[dtype], slot.shape, offset, offset + slot.numel * itemsize))
+        offset += slot.numel * itemsize
+    with open(path, "wb", buffering=0) as f:
+        write_all(f, safetensors_header(entries, {"format": "pt"}))
+        for _, tile_name, slot in items:
+            flat = store.master_view(tile_name, slot).reshape(-1)  # a view: no copy
+            for start in range(0, slot.numel, CAST_CHUNK_ELEMENTS):
+                part = flat[start:start + CAST_CHUNK_ELEMENTS]
+                write_all(f, tensor_bytes(part if dtype == torch.float32 else part.to(dtype)))
+        os.fsync(f.fileno())
+
+
+def _fsync_tree(root: Path) -> None:
+    """Flush what transformers wrote (config, tokenizer); shards are already synced, and fsync of a
+    clean file costs next to nothing, so no file is read back."""
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    for d in sorted({p for p in root.rglob("*") if p.is_dir()} | {root}):
+        fsync_dir(d)
+
+
+def _looks_like_hf_export(path: Path) -> bool:
+    return (path / "config.json").is_file() and ((path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file())
+
+
+def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int, write_tokenizer) -> Path:
+    if dtype not in DTYPE_CODES:
+        raise ValueError(f"export dtype must be one of {list(DTYPE_CODES)}, got {dtype}")
+    if out_dir.exists() and any(out_dir.iterdir()) and not _looks_like_hf_export(out_dir):
+        raise FileExistsError(f"{out_dir} exists and is not a model export; refusing to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # left by a crashed export
+    tmp.mkdir()
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    items = list(store.hf_items())
+    shards = _plan_shards(items, itemsize, max_shard_bytes)
+    if len(shards) == 1:
+        _write_shard(store, shards[0], dtype, tmp / WEIGHTS_NAME)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            _write_shard(store, shard, dtype, tmp / name)
+            weight_map.update({hf_name: name for hf_name, _, _ in shard})
+        index = {"metadata": {"total_parameters": store.num_params(),
+                              "total_size": store.num_params() * itemsize},
+                 "weight_map": weight_map}
+        write_file_durably(tmp / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+
+    config = copy.deepcopy(store.adapter.config)  # the store's config must keep its own dtype
+    config.dtype = dtype
+    config.architectures = [store.adapter.architecture]
+    config.save_pretrained(str(tmp))
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+    write_tokenizer(tmp)
+    _fsync_tree(tmp)
+    publish_dir(tmp, out_dir)
+    return out_dir
+
+
+def export_hf(store: HostStore, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
+              max_shard_bytes: int = 5 * 2**30) -> Path:
+    """Write the store's masters to out_dir in Hugging Face format (cast to `dtype`)."""
+
+    def write_tokenizer(tmp: Path) -> None:
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+
+    return _export(store, Path(out_dir), dtype, max_shard_bytes, write_tokenizer)
+
+
+def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
+                      max_shard_bytes: int = 5 * 2**30) -> Path:
+    """`megatrain export CHECKPOINT OUT`: a step_N checkpoint (or a run's output_dir: its latest
+    checkpoint) to a Hugging Face directory, with the tokenizer files saved in the checkpoint."""
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.models.loader import load_hf_config
+
+    path = Path(checkpoint_dir)
+    if not (path / "manifest.json").is_file():
+        latest = latest_checkpoint(path)
+        if latest is None:
+            raise CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one")
+        path = latest
+    # Allocating a full store costs only address space: torch.empty pages are not touched until
+    # written, and only the master sections are read.
+    store = HostStore(ModelAdapter(load_hf_config(path)), torch.bfloat16)
+    load_tiles(store, path, sections=("master",))
+
+    def copy_tokenizer(tmp: Path) -> None:
+        if (path / "tokenizer").is_dir():
+            for f in sorted((path / "tokenizer").iterdir()):
+                shutil.copyfile(f, tmp / f.name)
+
+    return _export(store, Path(out_dir), dtype, max_shard_bytes, copy_tokenizer)
