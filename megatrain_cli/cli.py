@@ -1,0 +1,190 @@
+"""The `megatrain` command: parses arguments and hands over. No training logic lives here."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from megatrain_cli import __version__
+from megatrain_cli.recipe import RecipeError, load_recipe, schema_help
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Full fine-tuning of large language models on one GPU; host memory holds the state.")
+recipes_app = typer.Typer(no_args_is_help=True, help="List and copy the shipped recipes.")
+app.add_typer(recipes_app, name="recipes")
+
+RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+
+
+def _recipes_dir() -> Path:
+    """Shipped recipes: the repo's recipes/ (editable install) or the copy inside the package."""
+    packaged = Path(__file__).resolve().parent / "recipes"
+    return RECIPES_DIR if RECIPES_DIR.is_dir() else packaged
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"megatrain {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    pass
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             epilog="Recipe keys (override any as key.sub=value, delete as ~key.sub):\n\n"
+                    + schema_help().replace("\n", "\n\n"))
+def train(ctx: typer.Context,
+          recipe: Path = typer.Argument(..., help="Recipe YAML (see `megatrain recipes ls`)."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved recipe and the memory "
+                                       "plan, allocate nothing, exit."),
+          force: bool = typer.Option(False, "--force", help="Run even when the pre-flight memory check "
+                                     "says it will not fit.")) -> None:
+    """Train with RECIPE, then key=value overrides, e.g. `train.lr=1e-5 engine.checkpoint_interval=2`."""
+    overrides = list(ctx.args)
+    try:
+        r = load_recipe(recipe, overrides)
+    except RecipeError as err:
+        _fail(str(err))
+    from megatrain_cli.trainer import run_training
+
+    code = run_training(r, dry_run=dry_run, force=force)
+    raise typer.Exit(code)
+
+
+@app.command()
+def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b, llama3-8b."),
+          seq: str = typer.Option("4096", help="Tokens per sequence (512k = 524288)."),
+          batch: int = typer.Option(8, help="Sequences per step."),
+          steps: int = typer.Option(3, help="Timed steps (after one warm-up step)."),
+          grad_accum: int = typer.Option(1, help="Micro-batches per step (batch each)."),
+          checkpoint_interval: int = typer.Option(4, help="Layers per recompute block."),
+          layer_slots: int = typer.Option(2, help="Device weight buffers for layers (>= 2)."),
+          max_gpu_mem: Optional[str] = typer.Option(None, help="Device-memory budget, e.g. 24GiB."),
+          baseline: Optional[str] = typer.Option(None, help="Also run: native | deepspeed."),
+          no_double_buffer: bool = typer.Option(False, help="Ablation: no prefetch of the next layer."),
+          no_overlap_optimizer: bool = typer.Option(False, help="Ablation: optimizer after the step, not "
+                                                    "pipelined into the next forward."),
+          device: str = typer.Option("cuda", help="cuda or cpu."),
+          as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
+          output: Optional[Path] = typer.Option(None, help="Also write the JSON here.")) -> None:
+    """Full training steps of a random-init preset on synthetic tokens, against a baseline."""
+    import torch
+
+    from megatrain_cli import bench as b
+    from megatrain_cli.presets import PRESETS
+    from megatrain_cli.recipe import parse_bytes
+
+    if model not in PRESETS:
+        _fail(f"unknown model preset '{model}' (known: {', '.join(PRESETS)})")
+    if device == "cuda" and not torch.cuda.is_available():
+        _fail("bench needs a CUDA GPU (use --device cpu for a functional run on a small preset)")
+    if baseline not in (None, "native", "deepspeed"):
+        _fail(f"unknown baseline '{baseline}' (native | deepspeed)")
+    if baseline == "deepspeed":
+        _fail("--baseline deepspeed is not implemented yet", 3)
+    if max_gpu_mem is not None:
+        budget = parse_bytes(max_gpu_mem)
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    seq_len = b.parse_tokens(seq)
+    results = [b.bench_engine(model, batch, seq_len, steps, grad_accum=grad_accum,
+                              checkpoint_interval=checkpoint_interval, layer_slots=layer_slots,
+                              double_buffer=not no_double_buffer, overlap_optimizer=not no_overlap_optimizer,
+                              device=device, log=lambda m: typer.echo(m, err=True))]
+    if baseline == "native":
+        results.append(b.bench_native(model, batch * grad_accum, seq_len, steps,
+                                      log=lambda m: typer.echo(m, err=True)))
+    typer.echo(b.to_json(results) if as_json else b.format_table(results))
+    if output:
+        output.write_text(b.to_json(results))
+
+
+@app.command("eval")
+def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory or a checkpoint's final/."),
+             data: str = typer.Option("builtin:sample_math", help="Dataset (see the recipe's data.source)."),
+             split: str = typer.Option("test", help="test (the seeded held-out split), train or all."),
+             limit: Optional[int] = typer.Option(None, help="Evaluate at most N examples."),
+             batch_size: int = typer.Option(8, help="Prompts per generation batch."),
+             max_new_tokens: int = typer.Option(256, help="Generation length limit."),
+             output_dir: Path = typer.Option(Path("."), help="Where results.json and predictions.jsonl go."),
+             device: str = typer.Option("auto", help="auto, cpu or cuda.")) -> None:
+    """Exact-match accuracy of greedy answers on math word problems (MetaMathQA / GSM8K style)."""
+    from megatrain_cli.eval.run import run_eval
+
+    if not Path(model).is_dir():
+        _fail(f"model directory not found: {model}")
+    try:
+        run_eval(model, data, split=split, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                 output_dir=str(output_dir), device=device)
+    except ValueError as err:
+        _fail(str(err))
+
+
+@app.command()
+def export(checkpoint: Path = typer.Argument(..., help="A step_N checkpoint directory."),
+           out: Path = typer.Argument(..., help="Output directory (Hugging Face format)."),
+           dtype: str = typer.Option("bf16", help="bf16 or fp32.")) -> None:
+    """Export a training checkpoint as a Hugging Face model directory."""
+    import torch
+
+    from megatrain_cli.checkpoint import export_checkpoint
+
+    if not checkpoint.is_dir():
+        _fail(f"checkpoint not found: {checkpoint}")
+    path = export_checkpoint(checkpoint, out, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    typer.echo(f"exported {checkpoint} -> {path}")
+
+
+@app.command()
+def plot(run_dir: Path = typer.Argument(..., help="A training output_dir holding metrics.jsonl.")) -> None:
+    """Draw loss and TFLOPS over steps into RUN_DIR/metrics.svg."""
+    from megatrain_cli.plot import plot_run
+
+    try:
+        typer.echo(str(plot_run(str(run_dir))))
+    except (FileNotFoundError, ValueError) as err:
+        _fail(str(err))
+
+
+@recipes_app.command("ls")
+def recipes_ls() -> None:
+    """List the shipped recipes with the command each opens with."""
+    for path in sorted(_recipes_dir().glob("*.yaml")):
+        first = path.read_text().splitlines()[0] if path.read_text() else ""
+        typer.echo(f"{path.stem:<12} {first.lstrip('# ').strip()}")
+
+
+@recipes_app.command("cp")
+def recipes_cp(name: str = typer.Argument(..., help="Recipe name, e.g. qwen7b."),
+               dest: Path = typer.Argument(..., help="Where to write the copy.")) -> None:
+    """Copy a shipped recipe to DEST for editing."""
+    src = _recipes_dir() / f"{name.removesuffix('.yaml')}.yaml"
+    if not src.is_file():
+        known = ", ".join(p.stem for p in sorted(_recipes_dir().glob("*.yaml")))
+        _fail(f"no shipped recipe named '{name}' (known: {known})")
+    if dest.is_dir():
+        dest = dest / src.name
+    shutil.copyfile(src, dest)
+    typer.echo(f"wrote {dest}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
