@@ -1,0 +1,150 @@
+"""Record formats: detecting which one a data set uses and turning its records into `Example`s.
+
+Each format names its fields canonically (MetaMathQA `query`/`response`, GSM8K `question`/`answer`,
+Alpaca `instruction`/`input`/`output`, chat `messages`); `data.fields` maps a canonical name to the
+data set's own field name. One extra key, `gold`, names a field holding the final answer directly
+(otherwise it is read from the response: 'The answer is: X', '#### X', or its last number).
+"""
+
+from __future__ import annotations
+
+from megatrain_cli.data.errors import DataError
+from megatrain_cli.data.example import Example
+from megatrain_cli.eval.extract import extract_answer
+
+REQUIRED_FIELDS = {
+    "metamathqa": ("query", "response"),
+    "gsm8k": ("question", "answer"),
+    "alpaca": ("instruction", "output"),
+    "messages": ("messages",),
+}
+OPTIONAL_FIELDS = {"alpaca": ("input",)}
+DETECTION_ORDER = ("messages", "metamathqa", "gsm8k", "alpaca")
+GOLD_KEY = "gold"
+# ShareGPT-style chats use other names for the same things.
+MESSAGE_FIELD_ALIASES = ("messages", "conversations")
+ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
+
+
+def valid_field_keys() -> list[str]:
+    keys = {k for fields in REQUIRED_FIELDS.values() for k in fields}
+    keys |= {k for fields in OPTIONAL_FIELDS.values() for k in fields}
+    return sorted(keys) + [GOLD_KEY]
+
+
+def check_field_overrides(fields: dict, label: str) -> None:
+    unknown = [k for k in fields if k not in valid_field_keys()]
+    if unknown:
+        raise DataError(f"{label}: data.fields has unknown key(s) {', '.join(map(repr, unknown))} "
+                        f"(canonical names: {', '.join(valid_field_keys())})")
+    for key, value in fields.items():
+        if not isinstance(value, str):
+            raise DataError(f"{label}: data.fields.{key} must be a field name (a string), got {value!r}")
+
+
+def field_name(fmt: str, canonical: str, fields: dict, record: dict | None = None) -> str:
+    """The data set's name for a canonical field (override, alias, or the canonical name itself)."""
+    if canonical in fields:
+        return fields[canonical]
+    if fmt == "messages" and canonical == "messages" and record is not None:
+        for alias in MESSAGE_FIELD_ALIASES:
+            if alias in record:
+                return alias
+    return canonical
+
+
+def detect_format(record: dict, fields: dict, label: str) -> str:
+    """The first format whose required fields (after overrides) the record has."""
+    for fmt in DETECTION_ORDER:
+        if all(field_name(fmt, c, fields, record) in record for c in REQUIRED_FIELDS[fmt]):
+            return fmt
+    expected = "; ".join(f"{fmt}: {', '.join(REQUIRED_FIELDS[fmt])}" for fmt in DETECTION_ORDER)
+    raise DataError(f"{label}: cannot tell the format from the fields {', '.join(map(str, record)) or '(none)'} "
+                    f"(expected one of: {expected}); set data.format, or map your field names with "
+                    f"data.fields, e.g. {{query: problem, response: solution}}")
+
+
+def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str) -> list[Example]:
+    check_field_overrides(fields, label)
+    if fmt == "auto":
+        fmt = detect_format(records[0], fields, label)
+    if fmt not in REQUIRED_FIELDS:
+        raise DataError(f"{label}: unknown format {fmt!r} (known: auto, {', '.join(REQUIRED_FIELDS)})")
+    convert = {"metamathqa": _prompt_response("query", "response"), "gsm8k": _prompt_response("question", "answer"),
+               "alpaca": _alpaca, "messages": _messages}[fmt]
+    gold_field = fields.get(GOLD_KEY)
+    examples = []
+    for i, record in enumerate(records):
+        where = f"{label}: record {i}"
+        if not isinstance(record, dict):
+            raise DataError(f"{where} is a {type(record).__name__}, expected an object with fields")
+        example = convert(record, fmt, fields, where)
+        if gold_field is not None:
+            example.answer = _gold(record, gold_field, where)
+        else:
+            example.answer = extract_answer(example.response)
+        examples.append(example)
+    return examples
+
+
+# ---------------------------------------------------------------- per-format conversion
+def _get_text(record: dict, fmt: str, canonical: str, fields: dict, where: str, required: bool = True) -> str:
+    name = field_name(fmt, canonical, fields, record)
+    if name not in record or record[name] is None:
+        if not required:
+            return ""
+        override = "" if canonical in fields else f"; if it has another name, set data.fields.{canonical}"
+        raise DataError(f"{where}: missing field {name!r} (format {fmt}; fields present: "
+                        f"{', '.join(map(str, record)) or '(none)'}){override}")
+    value = record[name]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise DataError(f"{where}: field {name!r} should be text, got {type(value).__name__}")
+    return value
+
+
+def _prompt_response(prompt_key: str, response_key: str):
+    def convert(record: dict, fmt: str, fields: dict, where: str) -> Example:
+        return Example(_get_text(record, fmt, prompt_key, fields, where),
+                       _get_text(record, fmt, response_key, fields, where))
+    return convert
+
+
+def _alpaca(record: dict, fmt: str, fields: dict, where: str) -> Example:
+    instruction = _get_text(record, fmt, "instruction", fields, where)
+    extra = _get_text(record, fmt, "input", fields, where, required=False)
+    prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
+    return Example(prompt, _get_text(record, fmt, "output", fields, where))
+
+
+def _messages(record: dict, fmt: str, fields: dict, where: str) -> Example:
+    name = field_name(fmt, "messages", fields, record)
+    turns = record.get(name)
+    if not isinstance(turns, list) or not turns:
+        raise DataError(f"{where}: field {name!r} should be a non-empty list of {{role, content}} messages")
+    messages = [_message(turn, f"{where}, {name}[{j}]") for j, turn in enumerate(turns)]
+    if messages[-1]["role"] != "assistant":
+        raise DataError(f"{where}: the last message of {name!r} should be the assistant's reply (the target), "
+                        f"got role {messages[-1]['role']!r}")
+    if len(messages) < 2 or messages[-2]["role"] != "user":
+        raise DataError(f"{where}: the assistant's reply in {name!r} should follow a user message")
+    return Example(messages[-2]["content"], messages[-1]["content"], history=messages[:-2])
+
+
+def _message(turn, where: str) -> dict:
+    if not isinstance(turn, dict):
+        raise DataError(f"{where}: expected an object with role and content, got {type(turn).__name__}")
+    role = turn.get("role", turn.get("from"))
+    content = turn.get("content", turn.get("value"))
+    if not isinstance(role, str) or not isinstance(content, str):
+        raise DataError(f"{where}: missing field 'role' or 'content' (fields present: {', '.join(turn)})")
+    return {"role": ROLE_ALIASES.get(role, role), "content": content}
+
+
+def _gold(record: dict, gold_field: str, where: str) -> str | None:
+    if gold_field not in record:
+        raise DataError(f"{where}: missing field {gold_field!r} (data.fields.gold; fields present: "
+                        f"{', '.join(map(str, record))})")
+    value = record[gold_field]
+    return None if value is None else str(value).strip()

@@ -1,0 +1,185 @@
+"""Training rows and the batch stream the trainer draws from.
+
+Every example becomes prompt ids (label -100: no loss) followed by response ids and eos (labelled
+with their own ids; the engine shifts labels, as HF does). Rows are `seq_len` long: with packing,
+several examples per row, `position_ids` restarting at 0 where each one starts (the engine turns the
+resets into a block-causal mask, so examples never see each other); without it, one example per
+row. The tail of a row is padding: pad ids, label -100, positions continuing the last example (so
+padding adds no reset, and a one-example row needs no mask at all).
+
+Rows are fixed once built; each epoch visits them in an order drawn from a generator seeded by
+(seed, epoch). `state_dict` is (epoch, cursor) plus a fingerprint of the data, which is all a
+resumed run needs to produce exactly the batches the interrupted one would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+
+from megatrain_cli.data.errors import DataError
+from megatrain_cli.data.example import Example
+from megatrain_cli.data.packing import pack_rows
+from megatrain_cli.data.prompts import pad_id
+from megatrain_cli.data.tokenize import tokenize_examples
+from megatrain_cli.engine.step import IGNORE_INDEX, MicroBatch
+from megatrain_cli.recipe import DataConfig
+
+STATE_VERSION = 1
+
+
+class TrainData:
+    """Fixed rows of tokenised examples, served as steps of micro-batches, epoch after epoch."""
+
+    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor, prompt_lens: torch.Tensor,
+                 rows: list[list[int]], *, seq_len: int, pad_token_id: int, seed: int, packing: bool,
+                 truncated: int = 0, dropped: int = 0):
+        self.tokens = tokens  # int32, every kept example's ids back to back
+        self.offsets = offsets  # int64 [n + 1]: example i is tokens[offsets[i]:offsets[i + 1]]
+        self.prompt_lens = prompt_lens  # int64 [n]: leading tokens of each example without loss
+        self.rows = rows  # example indices per row
+        self.seq_len, self.pad_token_id, self.seed, self.packing = seq_len, pad_token_id, seed, packing
+        self.truncated = truncated  # examples cut to seq_len (the end of their response is lost)
+        self.dropped = dropped  # examples whose prompt alone filled seq_len (nothing left to learn)
+        self.num_examples = len(prompt_lens)
+        self.num_rows = len(rows)
+        self.real_tokens = int(offsets[-1])  # non-pad tokens per epoch
+        self.loss_tokens = self.real_tokens - int(prompt_lens.sum())  # response + eos tokens per epoch
+        self.epoch = 0
+        self.cursor = 0  # rows of this epoch already served
+        self._order: tuple[int, torch.Tensor] | None = None
+        self._fingerprint: str | None = None
+
+    # ------------------------------------------------------------ sizes
+    def steps_per_epoch(self, micro_batch_size: int, grad_accum: int) -> int:
+        """Steps that cover every row once; the last one tops up from the next epoch's order."""
+        return math.ceil(self.num_rows / (micro_batch_size * grad_accum))
+
+    @property
+    def epoch_progress(self) -> float:
+        """Epochs done, fractional: for logs and the dashboard."""
+        return self.epoch + self.cursor / self.num_rows
+
+    def stats(self) -> dict:
+        return {"examples": self.num_examples, "rows": self.num_rows, "seq_len": self.seq_len,
+                "packing": self.packing, "real_tokens": self.real_tokens, "loss_tokens": self.loss_tokens,
+                "fill": self.real_tokens / (self.num_rows * self.seq_len), "truncated": self.truncated,
+                "dropped": self.dropped}
+
+    # ------------------------------------------------------------ batches
+    def next_step(self, micro_batch_size: int, grad_accum: int) -> list[MicroBatch]:
+        """`grad_accum` micro-batches of [micro_batch_size, seq_len] int64 rows, continuing the stream."""
+        if micro_batch_size < 1 or grad_accum < 1:
+            raise ValueError(f"micro_batch_size and grad_accum must be >= 1, got {micro_batch_size}, {grad_accum}")
+        row_ids = self._take(micro_batch_size * grad_accum)
+        batches = []
+        for lo in range(0, len(row_ids), micro_batch_size):
+            ids, labels, pos = zip(*(self.build_row(r) for r in row_ids[lo:lo + micro_batch_size]))
+            batches.append(MicroBatch(torch.stack(ids), torch.stack(labels), torch.stack(pos)))
+        return batches
+
+    def _take(self, count: int) -> list[int]:
+        taken: list[int] = []
+        while len(taken) < count:
+            order = self._epoch_order(self.epoch)
+            n = min(count - len(taken), self.num_rows - self.cursor)
+            taken += order[self.cursor:self.cursor + n].tolist()
+            self.cursor += n
+            if self.cursor == self.num_rows:
+                self.epoch, self.cursor = self.epoch + 1, 0
+        return taken
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            g = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            self._order = (epoch, torch.randperm(self.num_rows, generator=g))
+        return self._order[1]
+
+    def build_row(self, row: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(input_ids, labels, position_ids) of one row, each [seq_len] int64."""
+        t = self.seq_len
+        ids = torch.full((t,), self.pad_token_id, dtype=torch.int64)
+        labels = torch.full((t,), IGNORE_INDEX, dtype=torch.int64)
+        pos = torch.empty(t, dtype=torch.int64)
+        at, n = 0, 0
+        for ex in self.rows[row]:
+            lo, hi = int(self.offsets[ex]), int(self.offsets[ex + 1])
+            n, p = hi - lo, int(self.prompt_lens[ex])
+            ids[at:at + n] = self.tokens[lo:hi]
+            labels[at + p:at + n] = self.tokens[lo + p:hi]
+            pos[at:at + n] = torch.arange(n)
+            at += n
+        pos[at:] = torch.arange(n, n + t - at)
+        return ids, labels, pos
+
+    # ------------------------------------------------------------ resume
+    def fingerprint(self) -> str:
+        """A hash of the rows' contents: resuming onto different data would silently change batches."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(f"{self.seq_len}:{self.packing}:{self.pad_token_id}:{self.num_rows}".encode())
+            for tensor in (self.tokens, self.offsets, self.prompt_lens):
+                h.update(tensor.contiguous().numpy().tobytes())
+            for r in self.rows:
+                h.update(",".join(map(str, r)).encode() + b";")
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def state_dict(self) -> dict:
+        return {"version": STATE_VERSION, "epoch": self.epoch, "cursor": self.cursor, "seed": self.seed,
+                "num_rows": self.num_rows, "fingerprint": self.fingerprint()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"data state has version {state.get('version')!r}, expected {STATE_VERSION}")
+        if state["num_rows"] != self.num_rows or state["fingerprint"] != self.fingerprint():
+            raise ValueError(f"the training data differs from the checkpoint's ({self.num_rows} rows, "
+                             f"fingerprint {self.fingerprint()} now; {state['num_rows']} rows, fingerprint "
+                             f"{state['fingerprint']} then): the data, tokenizer, seq_len or packing changed, "
+                             f"so resuming would not continue the same batches")
+        if not 0 <= state["cursor"] < self.num_rows:
+            raise ValueError(f"data state cursor {state['cursor']} is outside 0..{self.num_rows - 1}")
+        self.seed, self.epoch, self.cursor = int(state["seed"]), int(state["epoch"]), int(state["cursor"])
+        self._order = None
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    """A generator seed from (seed, epoch) that does not collide for nearby pairs."""
+    digest = hashlib.sha256(f"megatrain-data:{seed}:{epoch}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, seq_len: int,
+                     seed: int) -> TrainData:
+    """Tokenise, truncate to seq_len, and lay out the rows (packed or one example each)."""
+    if not examples:
+        raise DataError(f"{data_cfg.source}: no training examples")
+    if seq_len < 2:
+        raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    prompts, responses = tokenize_examples(examples, tokenizer, data_cfg.template, data_cfg.num_proc)
+    kept: list[list[int]] = []
+    prompt_lens: list[int] = []
+    truncated = dropped = 0
+    for p, r in zip(prompts, responses):
+        if len(p) >= seq_len:
+            dropped += 1
+            continue
+        ids = p + r
+        if len(ids) > seq_len:
+            truncated += 1
+            ids = ids[:seq_len]
+        kept.append(ids)
+        prompt_lens.append(len(p))
+    if not kept:
+        raise DataError(f"{data_cfg.source}: every prompt is at least seq_len={seq_len} tokens long, so no "
+                        f"response token is left to train on; raise train.seq_len")
+    lengths = [len(ids) for ids in kept]
+    offsets = torch.zeros(len(kept) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    tokens = torch.tensor([t for ids in kept for t in ids], dtype=torch.int32)
+    rows = pack_rows(lengths, seq_len) if data_cfg.packing else [[i] for i in range(len(kept))]
+    return TrainData(tokens, offsets, torch.tensor(prompt_lens, dtype=torch.int64), rows, seq_len=seq_len,
+                     pad_token_id=pad_id(tokenizer), seed=seed, packing=data_cfg.packing, truncated=truncated,
+                     dropped=dropped)
