@@ -223,7 +223,9 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
     output_dir = Path(output_dir)
     # Serialise first, so a non-JSON value fails before anything is written.
     state_bytes = (json.dumps(trainer_state, indent=2) + "\n").encode()
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if not output_dir.is_dir():
+        output_dir.mkdir(parents=True)
+        fsync_dir(output_dir.parent)  # make the new directory's own entry durable
     final, tmp = output_dir / f"step_{step}", output_dir / f".step_{step}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a crashed save of the same step

@@ -51,6 +51,14 @@ def test_rotation_keeps_newest_and_the_one_just_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_2", "step_3"]
     assert latest_checkpoint(tmp_path) == tmp_path / "step_3"
 
+    # Saving a step that exists replaces it whole.
+    newer = filled_store(seed=4)
+    save_checkpoint(newer, tmp_path, 3, {"global_step": 33}, keep_last_n=2)
+    loaded = filled_store(seed=5)
+    assert load_checkpoint(loaded, tmp_path / "step_3") == {"global_step": 33}
+    assert_same_state(newer, loaded)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_2", "step_3"]
+
     # Re-saving an older step (resumed from it) never deletes what was just written.
     save_checkpoint(store, tmp_path, 1, {"global_step": 1}, keep_last_n=1)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "step_1"]
