@@ -59,4 +59,5 @@ def _tokenize_with_datasets(columns: dict, args: dict, num_proc: int):
     ds = Dataset.from_dict(columns)
     ds = ds.map(tokenize_batch, fn_kwargs=args, batched=True, batch_size=BATCH_SIZE, num_proc=num_proc,
                 remove_columns=list(columns), desc="tokenising")
-    return ds["prompt_ids"], ds["response_ids"]
+    columns = ds.to_dict()  # plain lists (indexing a column would give a lazy `Column`)
+    return columns["prompt_ids"], columns["response_ids"]

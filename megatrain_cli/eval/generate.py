@@ -1,0 +1,96 @@
+"""Batched greedy generation for exact-match eval: left padding, stop at eos or at a stop string.
+
+The whole model sits on one device here (HF `generate`). Generation that streams layers from host
+memory, for models larger than the GPU, is not written yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Generation:
+    text: str  # the answer text, cut before eos / the first stop string
+    new_tokens: int  # tokens the model produced for it (up to and including the one that ended it)
+
+
+class StopOnStrings:
+    """A `generate` stopping criterion: marks each row done once its new text contains a stop string."""
+
+    def __init__(self, tokenizer, stop: list[str], prompt_len: int):
+        self.tokenizer, self.stop, self.prompt_len = tokenizer, stop, prompt_len
+        # A stop string spans at most one token per character (plus a partial one either side), so
+        # decoding that many trailing tokens is enough and keeps each check O(1) in the output length.
+        self.tail = max((len(s) for s in stop), default=0) + 2
+
+    def __call__(self, input_ids: torch.LongTensor, scores=None, **kwargs) -> torch.BoolTensor:
+        new = input_ids[:, self.prompt_len:]
+        tails = self.tokenizer.batch_decode(new[:, -self.tail:], skip_special_tokens=True)
+        return torch.tensor([any(s in t for s in self.stop) for t in tails], device=input_ids.device)
+
+
+def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(batch), width), dtype=torch.int64)
+    for i, ids in enumerate(batch):
+        input_ids[i, width - len(ids):] = torch.tensor(ids, dtype=torch.int64)
+        mask[i, width - len(ids):] = 1
+    return input_ids, mask
+
+
+def generate_greedy(model, tokenizer, prompts: list[list[int]], *, eos_ids: list[int], pad_id: int,
+                    stop: list[str], max_new_tokens: int, batch_size: int,
+                    progress=None) -> tuple[list[Generation], float]:
+    """Greedy answers for token-id prompts (in their order) and the seconds spent generating.
+
+    Prompts are batched by length so that little of each batch is padding.
+    """
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids,
+                              pad_token_id=pad_id)
+    order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
+    results: list[Generation | None] = [None] * len(prompts)
+    seconds = 0.0
+    for lo in range(0, len(order), batch_size):
+        idx = order[lo:lo + batch_size]
+        input_ids, mask = left_pad([prompts[i] for i in idx], pad_id)
+        criteria = StoppingCriteriaList([StopOnStrings(tokenizer, stop, input_ids.shape[1])]) if stop else None
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
+                                 generation_config=config, stopping_criteria=criteria)
+        seconds += time.perf_counter() - t0
+        new = out[:, input_ids.shape[1]:].cpu()
+        for row, i in enumerate(idx):
+            results[i] = _finish(tokenizer, new[row].tolist(), eos_ids, pad_id, stop)
+        if progress is not None:
+            progress(min(lo + batch_size, len(order)), len(order))
+    return results, seconds
+
+
+def _finish(tokenizer, new_ids: list[int], eos_ids: list[int], pad_id: int, stop: list[str]) -> Generation:
+    """Cut one row's new ids at eos, decode, and cut the text at the first stop string.
+
+    Rows that finish early are filled with pad ids by `generate`; those are not the model's tokens.
+    """
+    end = len(new_ids)
+    for j, t in enumerate(new_ids):
+        if t in eos_ids:
+            end = j + 1
+            break
+    ids = new_ids[:end]
+    while ids and ids[-1] == pad_id and pad_id not in eos_ids:
+        ids.pop()
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    for s in stop:
+        cut = text.find(s)
+        if cut >= 0:
+            text = text[:cut]
+    return Generation(text.strip(), len(ids))

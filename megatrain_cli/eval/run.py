@@ -1,0 +1,151 @@
+"""Exact-match eval: greedy answers of a model directory on held-out problems, scored against gold.
+
+'test' is the held-out side of the very split the trainer makes (same source, seed and fraction
+through `split_examples`), and prompts go through the same `render_prompt` / `encode_prompt`, so the
+model is asked exactly what it was trained to answer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from megatrain_cli.data.errors import DataError
+from megatrain_cli.data.load import load_examples, split_examples
+from megatrain_cli.data.prompts import default_prefix_ids, encode_prompt, eos_id, pad_id, render_prompt, \
+    stop_strings, uses_chat_template
+from megatrain_cli.eval.extract import answers_match, extract_answer
+from megatrain_cli.eval.generate import generate_greedy
+from megatrain_cli.models.tokenizer import has_tokenizer_files, load_bundled_tokenizer, load_tokenizer_dir
+from megatrain_cli.recipe import DataConfig
+
+SPLITS = ("test", "train", "all")
+RESULTS_FILE = "results.json"
+PREDICTIONS_FILE = "predictions.jsonl"
+
+
+def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: int | None = None,
+             batch_size: int = 8, max_new_tokens: int = 256, output_dir: str = ".", device: str = "auto",
+             data_format: str = "auto", template: str = "auto", test_fraction: float = 0.3,
+             split_seed: int = 1234, data_cfg: DataConfig | None = None,
+             log: Callable[[str], None] | None = print) -> dict:
+    """Evaluate `model_path` on `data_source`; write results.json and predictions.jsonl; return the results.
+
+    `data_cfg`, when given (the trainer passes its recipe's), replaces data_source / data_format /
+    template / test_fraction / split_seed, so fields, max_samples and test_source carry over too.
+    """
+    log = log or (lambda _msg: None)
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
+    if batch_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    cfg = data_cfg or DataConfig(source=data_source, format=data_format, template=template,
+                                 test_fraction=test_fraction, split_seed=split_seed)
+    examples = select_examples(cfg, split, limit)
+
+    dev = resolve_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    tokenizer = load_eval_tokenizer(model_path)
+    model = load_model(model_path, dev, dtype, len(tokenizer))
+
+    prefix = default_prefix_ids(tokenizer)
+    prompts = [render_prompt(tokenizer, ex.prompt, cfg.template, ex.history) for ex in examples]
+    prompt_ids = [encode_prompt(tokenizer, p, prefix) for p in prompts]
+    eos_ids = sorted({eos_id(tokenizer), *_model_eos_ids(model)})
+    stop = stop_strings(tokenizer, cfg.template)
+    log(f"eval: {len(examples)} {split} examples of {cfg.source} on {dev.type} ({dtype}), batch {batch_size}")
+    generations, seconds = generate_greedy(
+        model, tokenizer, prompt_ids, eos_ids=eos_ids, pad_id=pad_id(tokenizer), stop=stop,
+        max_new_tokens=max_new_tokens, batch_size=batch_size,
+        progress=lambda done, total: log(f"eval: {done}/{total}") if done % (batch_size * 10) == 0 else None)
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    correct = unparseable = 0
+    with open(out / PREDICTIONS_FILE, "w", encoding="utf-8") as f:
+        for ex, prompt, gen in zip(examples, prompts, generations):
+            extracted = extract_answer(gen.text)
+            ok = answers_match(extracted, ex.answer)
+            correct += ok
+            unparseable += extracted is None
+            f.write(json.dumps({"prompt": prompt, "output": gen.text, "extracted": extracted, "gold": ex.answer,
+                                "correct": ok}, ensure_ascii=False) + "\n")
+    generated = sum(g.new_tokens for g in generations)
+    results = {
+        "accuracy": correct / len(examples), "correct": correct, "total": len(examples),
+        "unparseable": unparseable, "generated_tokens": generated,
+        "tokens_per_s": generated / seconds if seconds > 0 else 0.0, "generation_s": seconds,
+        "model_path": str(model_path), "data_source": cfg.source, "split": split, "limit": limit,
+        "template": "chat" if uses_chat_template(tokenizer, cfg.template) else "plain",
+        "test_fraction": cfg.test_fraction, "split_seed": cfg.split_seed, "device": dev.type,
+        "dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+        "predictions": str(out / PREDICTIONS_FILE),
+    }
+    (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
+    log(f"eval: accuracy {results['accuracy']:.4f} ({correct}/{len(examples)}), {unparseable} unparseable, "
+        f"{results['tokens_per_s']:.1f} generated tokens/s; wrote {out / RESULTS_FILE} and {out / PREDICTIONS_FILE}")
+    return results
+
+
+def select_examples(cfg: DataConfig, split: str, limit: int | None):
+    """The examples of `split` (the trainer's seeded split), at most `limit`, each with a gold answer."""
+    examples = load_examples(cfg)
+    if split != "all":
+        train, test = split_examples(examples, cfg)
+        examples = test if split == "test" else train
+    if limit is not None:
+        if limit < 1:
+            raise ValueError(f"limit must be >= 1, got {limit}")
+        examples = examples[:limit]
+    if not examples:
+        raise DataError(f"{cfg.source}: the {split} split is empty (test_fraction={cfg.test_fraction})")
+    missing = [ex for ex in examples if ex.answer is None]
+    if missing:
+        gold = cfg.fields.get("gold") if cfg.fields else None
+        where = f"field {gold!r} (data.fields.gold)" if gold else \
+            "response ('The answer is: X', '#### X' or a number; or name an answer field with data.fields.gold)"
+        raise DataError(f"{cfg.source}: {len(missing)} of {len(examples)} {split} examples have no gold answer "
+                        f"in their {where}; first: {missing[0].prompt[:80]!r}")
+    return examples
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device: expected auto, cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' asked for, but no CUDA device is available")
+    return torch.device(device)
+
+
+def load_eval_tokenizer(model_path: str):
+    """The model directory's tokenizer; the bundled one when the directory has none (a preset run)."""
+    if has_tokenizer_files(model_path):
+        return load_tokenizer_dir(model_path)
+    return load_bundled_tokenizer()
+
+
+def load_model(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer_size: int):
+    from transformers import AutoModelForCausalLM
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"no config.json in {model_path}: not a Hugging Face model directory")
+    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=dtype)
+    vocab = model.get_input_embeddings().num_embeddings
+    if vocab < tokenizer_size:
+        raise ValueError(f"{model_path}: the model has {vocab} token embeddings but its tokenizer "
+                         f"{tokenizer_size} tokens; they do not belong together")
+    return model.to(device).eval()
+
+
+def _model_eos_ids(model) -> list[int]:
+    """The model's own end tokens (instruct models often end turns with a token besides eos)."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if ids is None:
+        return []
+    return [ids] if isinstance(ids, int) else list(ids)
