@@ -172,7 +172,7 @@ def bench_native(preset: str, batch: int, seq: int, steps: int, *, warmup: int =
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss))
+        losses.append(float(out.loss.detach()))
         log(f"[native] step {s}: loss {losses[-1]:.4f}")
     torch.cuda.synchronize(dev)
     wall = time.perf_counter() - t_timed

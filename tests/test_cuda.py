@@ -82,24 +82,32 @@ def test_no_stream_race_three_identical_runs():
             assert torch.equal(v, runs[0][1][k]), k
 
 
-def test_device_holds_at_most_two_layers_of_weights():
-    """12 layers whose weights dominate memory: peak device bytes stay far below the whole model."""
-    config = tiny_config("Qwen2ForCausalLM", layers=12, hidden=512, inter=2048, heads=8, kv_heads=4, vocab=128)
+def _peak_step_bytes(layers: int) -> tuple[int, int, int]:
+    config = tiny_config("Qwen2ForCausalLM", layers=layers, hidden=512, inter=2048, heads=8, kv_heads=4, vocab=128)
     store = build_store(config, torch.bfloat16, seed=0)
-    layer_bytes = store.largest_layer_numel() * 2
-    all_layers = layer_bytes * 12
     cfg = TrainConfig(steps=1, lr=1e-4, grad_accum=1)
+    torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    engine = Engine(store, cfg, device=torch.device("cuda"), checkpoint_interval=4, grad_slabs=2)
-    assert len(engine.streamer.layer_slots) == 2
+    engine = Engine(store, cfg, device=torch.device("cuda"), checkpoint_interval=2, grad_slabs=2)
+    slots = len(engine.streamer.layer_slots)
     batch = random_batches(config.vocab_size, 1, 1, batch=1, seq=16, seed=0)[0]
     engine.step(batch, 1e-4)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     engine.close()
-    # 2 weight slots + the head slot + one layer's fp32 gradient accumulator (2 layers' worth) +
-    # small activations; the whole model's weights would be 12 layers.
-    assert peak < 5 * layer_bytes, (peak, layer_bytes)
-    assert peak < all_layers / 2
+    return peak, store.largest_layer_numel() * 2, slots
+
+
+def test_device_holds_at_most_two_layers_of_weights():
+    """Layers whose weights dominate memory: the peak does not grow with depth, and stays a few layers."""
+    peak8, layer_bytes, slots = _peak_step_bytes(8)
+    peak24, _, _ = _peak_step_bytes(24)
+    assert slots == 2
+    # Depth-independent: 16 more layers (16 x layer_bytes of weights) add nothing to the peak.
+    assert abs(peak24 - peak8) < layer_bytes, (peak8, peak24, layer_bytes)
+    # What is there: 2 weight slots, one layer's gradient in flight (fp32 accumulator = 2 layers' worth,
+    # its bf16 cast and autograd's per-parameter grads = 1 each, the previous layer's still on the D2H
+    # stream), small activations; far below the 24 layers a resident model would need.
+    assert peak24 < 10 * layer_bytes, (peak24, layer_bytes)
