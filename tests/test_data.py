@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import re
 from pathlib import Path
@@ -174,10 +173,36 @@ def test_plain_and_chat_templates(tok):
     chatty.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                             "{% if add_generation_prompt %}<assistant>{% endif %}")
     assert render_prompt(chatty, "hi", "auto") == "<user>hi\n<assistant>"
-    assert render_prompt(chatty, "hi", "chat", [{"role": "system", "content": "s"}]) == "<system>s\n<user>hi\n<assistant>"
+    system = [{"role": "system", "content": "s"}]
+    assert render_prompt(chatty, "hi", "chat", system) == "<system>s\n<user>hi\n<assistant>"
     assert render_prompt(chatty, "hi", "plain") == "Question: hi\nAnswer: "
     with pytest.warns(UserWarning, match="no chat template"):
         assert render_prompt(tok, "hi", "chat") == "Question: hi\nAnswer: "
+
+
+def bos_tokenizer():
+    """The bundled tokenizer plus a BOS that it prepends by default, as Llama-style tokenizers do."""
+    from tokenizers import AddedToken, Tokenizer, processors
+    from transformers import PreTrainedTokenizerFast
+
+    from megatrain_cli.models.tokenizer import BUNDLED_TOKENIZER_PATH
+
+    inner = Tokenizer.from_file(str(BUNDLED_TOKENIZER_PATH))
+    inner.add_special_tokens([AddedToken("<s>", special=True)])
+    inner.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", inner.token_to_id("<s>"))])
+    return PreTrainedTokenizerFast(tokenizer_object=inner, bos_token="<s>", eos_token="<|endoftext|>",
+                                   pad_token="<|pad|>")
+
+
+def test_prompts_get_one_bos_whether_or_not_the_template_writes_it(tok):
+    btok = bos_tokenizer()
+    bos, body = btok.bos_token_id, tok("Question: hi", add_special_tokens=False)["input_ids"]
+    assert encode_prompt(btok, "Question: hi") == [bos, *body]
+    assert encode_prompt(btok, "<s>Question: hi") == [bos, *body]  # a chat template wrote it: not twice
+    assert encode_prompt(tok, "Question: hi") == body  # no BOS in the bundled tokenizer
+    data = build_train_data([Example("hi", "The answer is: 1")], btok, DataConfig(), seq_len=32, seed=0)
+    ids, labels, _ = data.build_row(0)
+    assert ids[0] == bos and (ids == bos).sum() == 1 and labels[0] == IGNORE_INDEX
 
 
 # ---------------------------------------------------------------- training rows
@@ -299,8 +324,8 @@ def test_parallel_tokenisation_matches_in_process(tok, sample, monkeypatch):
     plain = tokenize_module.tokenize_examples(exs, tok, "auto", num_proc=1)
     monkeypatch.setattr(tokenize_module, "PARALLEL_MIN_EXAMPLES", 0)
     calls = []
-    real = tokenize_module._tokenize_with_datasets
-    monkeypatch.setattr(tokenize_module, "_tokenize_with_datasets",
+    real = tokenize_module._map_with_datasets
+    monkeypatch.setattr(tokenize_module, "_map_with_datasets",
                         lambda *a: calls.append(a[2]) or real(*a))
     parallel = tokenize_module.tokenize_examples(exs, tok, "auto", num_proc=2)
     assert calls == [2]  # the datasets.map path ran, with two processes

@@ -15,15 +15,17 @@ resumed run needs to produce exactly the batches the interrupted one would have.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 
+import numpy as np
 import torch
 
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
 from megatrain_cli.data.packing import pack_rows
 from megatrain_cli.data.prompts import pad_id
-from megatrain_cli.data.tokenize import tokenize_examples
+from megatrain_cli.data.tokenize import iter_tokenized
 from megatrain_cli.engine.step import IGNORE_INDEX, MicroBatch
 from megatrain_cli.recipe import DataConfig
 
@@ -158,28 +160,31 @@ def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, s
         raise DataError(f"{data_cfg.source}: no training examples")
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
-    prompts, responses = tokenize_examples(examples, tokenizer, data_cfg.template, data_cfg.num_proc)
-    kept: list[list[int]] = []
+    chunks: list[np.ndarray] = []  # int32 tokens, one array per tokenised batch
+    lengths: list[int] = []
     prompt_lens: list[int] = []
     truncated = dropped = 0
-    for p, r in zip(prompts, responses):
-        if len(p) >= seq_len:
-            dropped += 1
-            continue
-        ids = p + r
-        if len(ids) > seq_len:
-            truncated += 1
-            ids = ids[:seq_len]
-        kept.append(ids)
-        prompt_lens.append(len(p))
-    if not kept:
+    for prompts, responses in iter_tokenized(examples, tokenizer, data_cfg.template, data_cfg.num_proc):
+        kept = []
+        for p, r in zip(prompts, responses):
+            if len(p) >= seq_len:
+                dropped += 1
+                continue
+            if len(p) + len(r) > seq_len:
+                truncated += 1
+                r = r[:seq_len - len(p)]
+            kept += (p, r)
+            lengths.append(len(p) + len(r))
+            prompt_lens.append(len(p))
+        n_tokens = sum(map(len, kept))
+        chunks.append(np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=n_tokens))
+    if not lengths:
         raise DataError(f"{data_cfg.source}: every prompt is at least seq_len={seq_len} tokens long, so no "
                         f"response token is left to train on; raise train.seq_len")
-    lengths = [len(ids) for ids in kept]
-    offsets = torch.zeros(len(kept) + 1, dtype=torch.int64)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
-    tokens = torch.tensor([t for ids in kept for t in ids], dtype=torch.int32)
-    rows = pack_rows(lengths, seq_len) if data_cfg.packing else [[i] for i in range(len(kept))]
+    tokens = torch.from_numpy(np.concatenate(chunks))
+    rows = pack_rows(lengths, seq_len) if data_cfg.packing else [[i] for i in range(len(lengths))]
     return TrainData(tokens, offsets, torch.tensor(prompt_lens, dtype=torch.int64), rows, seq_len=seq_len,
                      pad_token_id=pad_id(tokenizer), seed=seed, packing=data_cfg.packing, truncated=truncated,
                      dropped=dropped)

@@ -8,7 +8,6 @@ model is asked exactly what it was trained to answer.
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Callable
 
