@@ -2,7 +2,7 @@
 
 Every record is generated here from a handful of templates and small random numbers, so the file is
 ours (Apache-2.0, like the project), reproducible byte for byte, and learnable by the `tiny` preset
-in a few minutes on a CPU: few templates, numbers below 100, one short worked line per answer.
+in a few minutes on a CPU: few templates, operands up to 15, one short worked line per answer.
 
 Regenerate the shipped file with `python -m megatrain_cli.data.sample_math`.
 """
@@ -28,7 +28,7 @@ Problem = tuple[str, str, int]  # query, worked solution (without the answer lin
 
 def _add(r: random.Random) -> Problem:
     name, item = r.choice(NAMES), r.choice(ITEMS)
-    a, b = r.randint(1, 20), r.randint(1, 20)
+    a, b = r.randint(1, 9), r.randint(1, 9)
     return (f"{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?",
             f"{name} has {a} {item} and buys {b} more, so {name} has {a} + {b} = {a + b} {item}.", a + b)
 
@@ -36,7 +36,7 @@ def _add(r: random.Random) -> Problem:
 def _subtract(r: random.Random) -> Problem:
     name, friend = r.sample(NAMES, 2)
     item = r.choice(ITEMS)
-    a = r.randint(2, 30)
+    a = r.randint(2, 15)
     b = r.randint(1, a - 1)
     return (f"{name} has {a} {item} and gives {b} of them to {friend}. How many {item} does {name} have left?",
             f"{name} gives away {b} of {a} {item}, so {name} has {a} - {b} = {a - b} {item} left.", a - b)
@@ -44,14 +44,14 @@ def _subtract(r: random.Random) -> Problem:
 
 def _multiply(r: random.Random) -> Problem:
     name, item = r.choice(NAMES), r.choice(ITEMS)
-    a, b = r.randint(2, 9), r.randint(2, 9)
+    a, b = r.randint(2, 5), r.randint(2, 5)
     return (f"{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy in total?",
             f"There are {a} bags with {b} {item} each, so {name} buys {a} * {b} = {a * b} {item}.", a * b)
 
 
 def _divide(r: random.Random) -> Problem:
     name, item = r.choice(NAMES), r.choice(ITEMS)
-    each, friends = r.randint(2, 9), r.randint(2, 6)
+    each, friends = r.randint(2, 5), r.randint(2, 4)
     total = each * friends
     return (f"{name} shares {total} {item} equally among {friends} friends. How many {item} does each friend "
             f"get?",
@@ -60,14 +60,14 @@ def _divide(r: random.Random) -> Problem:
 
 def _price(r: random.Random) -> Problem:
     thing = r.choice(THINGS)
-    price, count = r.randint(2, 12), r.randint(2, 8)
+    price, count = r.randint(2, 6), r.randint(2, 5)
     return (f"One {thing} costs ${price}. How much do {count} of them cost in dollars?",
             f"{count} of them cost {count} * {price} = {count * price} dollars.", count * price)
 
 
 def _two_steps(r: random.Random) -> Problem:
     name, item = r.choice(NAMES), r.choice(ITEMS)
-    a, b = r.randint(5, 20), r.randint(1, 10)
+    a, b = r.randint(3, 9), r.randint(1, 5)
     c = r.randint(1, a + b - 1)
     return (f"{name} has {a} {item}, finds {b} more and then loses {c}. How many {item} does {name} have now?",
             f"{name} has {a} + {b} = {a + b} {item}, then loses {c}, so {a + b} - {c} = {a + b - c} {item}.",
@@ -77,15 +77,15 @@ def _two_steps(r: random.Random) -> Problem:
 def _compare(r: random.Random) -> Problem:
     name, friend = r.sample(NAMES, 2)
     item = r.choice(ITEMS)
-    b = r.randint(1, 20)
-    a = b + r.randint(1, 15)
+    b = r.randint(1, 9)
+    a = b + r.randint(1, 6)
     return (f"{name} has {a} {item} and {friend} has {b} {item}. How many more {item} does {name} have than "
             f"{friend}?",
             f"{name} has {a} - {b} = {a - b} more {item} than {friend}.", a - b)
 
 
 def _distance(r: random.Random) -> Problem:
-    speed, hours = r.randint(2, 12) * 5, r.randint(2, 6)
+    speed, hours = r.randint(1, 5) * 10, r.randint(2, 4)
     return (f"A car drives {speed} miles per hour for {hours} hours. How many miles does it drive?",
             f"It drives {speed} * {hours} = {speed * hours} miles.", speed * hours)
 

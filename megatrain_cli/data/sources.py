@@ -12,9 +12,9 @@ import json
 from pathlib import Path
 
 from megatrain_cli.data.errors import DataError
-from megatrain_cli.data.sample_math import SAMPLE_MATH_PATH
 
-BUILTIN_SOURCES = {"sample_math": SAMPLE_MATH_PATH}
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+BUILTIN_SOURCES = {"sample_math": ASSETS_DIR / "sample_math.jsonl"}  # made by data/sample_math.py
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 # Files `datasets.save_to_disk` writes: a Dataset writes state.json, a DatasetDict dataset_dict.json.
 SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")
