@@ -141,11 +141,16 @@ def export(checkpoint: Path = typer.Argument(..., help="A step_N checkpoint dire
     """Export a training checkpoint as a Hugging Face model directory."""
     import torch
 
-    from megatrain_cli.checkpoint import export_checkpoint
+    from megatrain_cli.export import export_checkpoint
 
     if not checkpoint.is_dir():
         _fail(f"checkpoint not found: {checkpoint}")
-    path = export_checkpoint(checkpoint, out, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    if dtype not in ("bf16", "fp32"):
+        _fail(f"--dtype: expected bf16 or fp32, got {dtype!r}")
+    try:
+        path = export_checkpoint(checkpoint, out, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
+    except ValueError as err:  # CheckpointError: incomplete, corrupted or not a checkpoint
+        _fail(str(err))
     typer.echo(f"exported {checkpoint} -> {path}")
 
 
