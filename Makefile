@@ -1,0 +1,25 @@
+# The two commands of the README: `make demo` and `make test`. Both install what they need first.
+PY ?= python3
+# torch is put in place BEFORE the package, so pip never resolves `torch` to a multi-GB CUDA wheel on a
+# CPU-only machine. On this project's machines torch==2.13.0 is a CPU build on local disk; elsewhere,
+# e.g.: make install TORCH_SPEC="torch --index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test test-gpu clean
+
+install:
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
+	@$(PY) -m pip install -q -e ".[test]"
+
+demo: install
+	megatrain train recipes/tiny.yaml
+
+test: install
+	$(PY) -m pytest -q
+
+# On a machine with an NVIDIA GPU: the CUDA-marked tests only.
+test-gpu: install
+	$(PY) -m pytest -q -m cuda
+
+clean:
+	rm -rf runs build *.egg-info .pytest_cache
