@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from megatrain_cli.engine.step import Engine, MicroBatch
+from megatrain_cli.metrics import host_rss_bytes, model_flops
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
@@ -31,13 +31,7 @@ def parse_tokens(text: str | int) -> int:
 
 
 def causal_lm_flops(matmul_params: int, batch: int, seq: int, hidden: int, layers: int) -> float:
-    tokens = batch * seq
-    return 6.0 * matmul_params * tokens + 6.0 * batch * seq * seq * hidden * layers
-
-
-def host_rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return model_flops(matmul_params, batch * seq, batch, seq, hidden, layers)
 
 
 def peak_rss_bytes() -> int:
