@@ -19,7 +19,7 @@ from megatrain_cli.trainer import run_training
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny.yaml"
 FAST = ["train.steps=4", "train.seq_len=64", "train.micro_batch_size=2", "logging.dashboard=plain",
-        "logging.every_n_steps=1", "checkpoint.export_final=false", "train.warmup_steps=1"]
+        "logging.every_n_steps=1", "checkpoint.export_final=false", "train.warmup_steps=1", "eval.enabled=false"]
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
 
 
