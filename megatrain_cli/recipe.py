@@ -177,6 +177,11 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return True, float(value)
+        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-5, without a dot, as a string
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
         return False, value
     if tp is str:
         return isinstance(value, str), value

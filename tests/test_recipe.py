@@ -88,12 +88,12 @@ def test_override_sets_nested_value_and_parses_yaml():
     assert r.train.betas == [0.8, 0.95]
 
 
-@pytest.mark.xfail(strict=True, reason="recipe.py parses values with PyYAML (YAML 1.1), which reads '1e-5' (no dot) "
-                   "as the string '1e-5', so `train.lr=1e-5` -- the very example in `megatrain train --help` -- "
-                   "is rejected as 'expected float'; fix belongs in recipe._coerce / apply_overrides")
+# PyYAML (YAML 1.1) reads '1e-5' (no dot) as a string; `train.lr=1e-5` is the example in --help.
 def test_override_exponent_without_dot_is_a_float():
     r = load_recipe(RECIPES / "tiny.yaml", ["train.lr=1e-5"])
-    assert r.train.lr == pytest.approx(1e-5)
+    assert r.train.lr == pytest.approx(1e-5) and isinstance(r.train.lr, float)
+    with pytest.raises(RecipeError, match="train.lr: expected float"):
+        load_recipe(RECIPES / "tiny.yaml", ["train.lr=fast"])
 
 
 def test_override_int_coerced_to_float():
