@@ -145,9 +145,6 @@ class CudaStreamer(WeightStreamer):
         self._prefetch_next(tile)
         return flat
 
-    def _copy_in(self, tile: str, dst: torch.Tensor) -> None:  # pragma: no cover - not used on CUDA
-        raise NotImplementedError
-
     def invalidate(self) -> None:
         for s in [*self.layer_slots, self.head_slot, self.embed_slot]:
             if s is not None:
