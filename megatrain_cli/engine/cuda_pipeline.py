@@ -161,7 +161,7 @@ class CudaGradSink(GradSink):
 
     def __init__(self, store: HostStore, stats: TransferStats, device: torch.device, *, slabs: int = 12,
                  slab_numel: int | None = None):
-        self.store, self.stats = store, stats
+        super().__init__(store, stats)
         self.grad_dtype = store.compute_dtype
         self.slab_numel = slab_numel or store.largest_layer_numel()
         self.slabs = [torch.empty(self.slab_numel, dtype=self.grad_dtype, pin_memory=True) for _ in range(slabs)]
@@ -184,24 +184,32 @@ class CudaGradSink(GradSink):
             if item is None:
                 self._work.task_done()
                 return
-            slab_index, event, dst, n = item
+            slab_index, event, dst, n, last = item
             try:
                 event.synchronize()  # Slab-Full: this slab's D2H is done
                 dst.copy_(self.slabs[slab_index][:n])
+                if last is not None:  # the tile's final chunk: its gradient is complete on the host
+                    tile, sq_host = last
+                    self._landed(tile, sq_host)
             except BaseException as err:  # surfaced by finish()
                 self._errors.append(err)
             finally:
                 self._free.put(slab_index)
                 self._work.task_done()
 
-    def _send_flat(self, dst: torch.Tensor, grad: torch.Tensor) -> None:
+    def _send_flat(self, tile: str, dst: torch.Tensor, grad: torch.Tensor, sq_norm: torch.Tensor | None) -> None:
         done = torch.cuda.Event()
         done.record(self.compute)  # Backward-Done for this gradient
         # The device gradient is freed by the compute thread once it goes out of scope: tell the
         # caching allocator the D2H stream still reads it.
         grad.record_stream(self.d2h)
+        # The tile's squared norm rides along (4 bytes, same stream), so the host learns it when the
+        # gradient lands, without a device sync.
+        sq_host = torch.zeros((), dtype=torch.float32, pin_memory=True)
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(done)
+            if sq_norm is not None:
+                sq_host.copy_(sq_norm, non_blocking=True)
             low = grad.to(self.grad_dtype)  # halve the bytes on the wire for bf16 grads (device-side cast)
             for lo in range(0, grad.numel(), self.slab_numel):
                 hi = min(grad.numel(), lo + self.slab_numel)
@@ -209,19 +217,13 @@ class CudaGradSink(GradSink):
                 self.slabs[i][:hi - lo].copy_(low[lo:hi], non_blocking=True)
                 full = torch.cuda.Event()
                 full.record(self.d2h)
-                self._work.put((i, full, dst[lo:hi], hi - lo))
+                last = (tile, sq_host) if hi == grad.numel() else None
+                self._work.put((i, full, dst[lo:hi], hi - lo, last))
             low.record_stream(self.d2h)
         self.stats.d2h_bytes += grad.numel() * self.slabs[0].element_size()
 
-    def send(self, tile: str, grad: torch.Tensor) -> None:
-        self._send_flat(self.store.tiles[tile].grad, grad)
-
-    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor) -> None:
-        self.finish()
-        dst = self.store.tiles[tile].grad.view(-1, rows.shape[1])
-        dst.zero_()
-        dst.index_copy_(0, index.cpu(), rows.to("cpu", dst.dtype))
-        self.stats.d2h_bytes += rows.numel() * dst.element_size()
+    def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
+        self._send_flat(tile, self.store.tiles[tile].grad, grad, sq_norm)
 
     def finish(self) -> None:
         self._work.join()

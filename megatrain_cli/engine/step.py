@@ -42,6 +42,7 @@ class StepResult:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     h2d_count: dict = field(default_factory=dict)
+    speculation: dict = field(default_factory=dict)  # tiles updated before the verdict / corrected
 
 
 def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
@@ -61,7 +62,7 @@ class Engine:
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
                  checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
-                 double_buffer: bool = True, overlap_optimizer: bool = False):
+                 double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True):
         self.store, self.train_cfg, self.device = store, train, device
         self.adapter = store.adapter
         self.dtype = store.compute_dtype
@@ -71,7 +72,10 @@ class Engine:
         self.norm_template = self.adapter.make_norm_template()
         self.rotary = self.adapter.make_rotary(device)
         self.optimizer = HostAdamW(train)
-        self.worker = OptimizerWorker(self.optimizer, store) if overlap_optimizer else None
+        self.worker = None
+        if overlap_optimizer:
+            self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
+                                          max_grad_norm=train.max_grad_norm, speculate=speculate)
         before_read = self.worker.wait if self.worker else None
         if device.type == "cuda":
             from megatrain_cli.engine.cuda_pipeline import CudaGradSink, CudaStreamer
@@ -83,6 +87,8 @@ class Engine:
             self.streamer = WeightStreamer(store, device, self.dtype, layer_slots=layer_slots,
                                            before_read=before_read)
             self.sink = GradSink(store, self.streamer.stats)
+        if self.worker is not None:
+            self.sink.on_landed = self.worker.landed  # AdamW starts on a tile as soon as its gradient lands
         self.redirect = WeightRedirect(self.streamer.resident)
         self.streamer.on_bind = self.redirect.bind
         self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks)
@@ -102,17 +108,28 @@ class Engine:
 
     # ------------------------------------------------------------ the step
     def step(self, micro_batches: list[MicroBatch], lr: float) -> StepResult:
-        """Forward, backward and (unless the gradient is not finite) the optimizer for one step."""
-        res = self.forward_backward(micro_batches)
+        """Forward, backward and (unless the gradient is not finite) the optimizer for one step.
+
+        With the worker, updates start during the backward (speculatively, see optim/worker.py) and
+        the rest run on while the next step's forward streams; `resolve` only hands over the verdict.
+        """
+        if self.worker is not None:
+            self.worker.begin_step(lr)
+        try:
+            res = self.forward_backward(micro_batches)
+        except BaseException:
+            if self.worker is not None:  # undo this step's speculative updates: nothing half-applied
+                self.worker.resolve(1.0, finite=False)
+                self.worker.drain()
+            raise
         t0 = time.perf_counter()
-        if not res.skipped:
-            coef = clip_coefficient(res.grad_norm, self.train_cfg.max_grad_norm)
-            self.streamer.invalidate()
-            if self.worker is not None:  # runs on while the next step's forward streams
-                self.worker.submit(self.update_order(), lr, coef)
-            else:
-                for name in self.update_order():
-                    self.optimizer.update(self.store.tiles[name], lr, coef)
+        coef = clip_coefficient(res.grad_norm, self.train_cfg.max_grad_norm) if not res.skipped else 1.0
+        self.streamer.invalidate()
+        if self.worker is not None:
+            res.speculation = self.worker.resolve(coef, finite=not res.skipped)
+        elif not res.skipped:
+            for name in self.update_order():
+                self.optimizer.update(self.store.tiles[name], lr, coef)
         res.times["optimizer"] = time.perf_counter() - t0
         return res
 
@@ -233,8 +250,9 @@ class Engine:
             grads_in.append(out[0])
             for name, gw in zip(names, out[1:]):
                 acc_views[name].add_(gw)
-        sq_norm.add_(acc.square().sum())
-        self.sink.send(f"layers.{i}", acc)
+        sq = torch.dot(acc, acc)  # no temporary the size of the layer, unlike acc.square().sum()
+        sq_norm.add_(sq)
+        self.sink.send(f"layers.{i}", acc, sq)
         return grads_in
 
     def _head(self, h, labels, norm_scale, sq_norm):
@@ -285,8 +303,9 @@ class Engine:
         if not self.adapter.tied:
             views["lm_head.weight"].copy_(lm_grad)
             lm_grad = None  # sent now; tied weights wait for the embedding rows
-        sq_norm.add_(head_acc.square().sum())
-        self.sink.send("head", head_acc)
+        sq = torch.dot(head_acc, head_acc)
+        sq_norm.add_(sq)
+        self.sink.send("head", head_acc, sq)
         return grads_out, losses, lm_grad
 
     def _embed_backward(self, grads_out, uniq, inv_dev, offsets, tied_grad, sq_norm) -> None:
@@ -296,8 +315,11 @@ class Engine:
             rows.index_add_(0, inv_dev[lo:hi], g.reshape(-1, H).float())
         if tied_grad is not None:
             tied_grad.index_add_(0, uniq.to(self.device), rows)
-            sq_norm.add_(tied_grad.square().sum())
-            self.sink.send("embed", tied_grad.view(-1))
+            flat = tied_grad.view(-1)
+            sq = torch.dot(flat, flat)
+            sq_norm.add_(sq)
+            self.sink.send("embed", flat, sq)
         else:
-            sq_norm.add_(rows.square().sum())
-            self.sink.send_rows("embed", rows, uniq)
+            sq = rows.square().sum()
+            sq_norm.add_(sq)
+            self.sink.send_rows("embed", rows, uniq, sq)

@@ -118,18 +118,29 @@ class GradSink:
 
     def __init__(self, store: HostStore, stats: TransferStats):
         self.store, self.stats = store, stats
+        # (tile, squared norm of its gradient) -> None, called once the gradient is in the host tile
+        # (the optimizer worker starts on it then).
+        self.on_landed = None
 
-    def send(self, tile: str, grad: torch.Tensor) -> None:
+    def _landed(self, tile: str, sq_norm) -> None:
+        if self.on_landed is not None:
+            self.on_landed(tile, float(sq_norm))
+
+    def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
         dst = self.store.tiles[tile].grad
         dst.copy_(grad)
         self.stats.d2h_bytes += grad.numel() * dst.element_size()
+        self._landed(tile, sq_norm if sq_norm is not None else 0.0)
 
-    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor) -> None:
+    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor,
+                  sq_norm: torch.Tensor | None = None) -> None:
         """Sparse embedding gradient: only the rows the batch touched are non-zero."""
+        self.finish()
         dst = self.store.tiles[tile].grad.view(-1, rows.shape[1])
         dst.zero_()
-        dst.index_copy_(0, index.to(dst.device), rows.to(dst.device, dst.dtype))
+        dst.index_copy_(0, index.cpu(), rows.to("cpu", dst.dtype))
         self.stats.d2h_bytes += rows.numel() * dst.element_size()
+        self._landed(tile, sq_norm if sq_norm is not None else 0.0)
 
     def finish(self) -> None:
         """Wait until every gradient sent has landed (no-op on the synchronous path)."""

@@ -4,6 +4,12 @@ The update runs where the state lives: torch's fused CPU AdamW kernel over each 
 sections (one call for the weight-decayed leading range, one for the rest). Gradient clipping
 costs no extra pass: the clip coefficient goes in as the kernel's `grad_scale` (it divides the
 gradient). A bf16 gradient section is widened to fp32 in chunks through a small scratch buffer.
+
+`correct` turns an update done with clip coefficient 1 (a speculative update, see worker.py) into
+the update with the true coefficient, and `rollback` undoes it, both by AdamW's algebra from the
+new state and the gradient still in the tile. They are exact up to fp32 rounding (about one ulp
+of each weight and moment), not bit-exact; they run only on steps where speculation turned out
+wrong (the gradient was clipped, or not finite).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.tiles import Tile
 
 CAST_CHUNK = 1 << 24  # elements widened per fused call when grads are bf16 (64 MiB of fp32 scratch)
+ROLLBACK_CHUNK = 1 << 20  # small enough that the rollback's ~8 elementwise ops stay in cache
 
 
 def lr_at(step: int, cfg: TrainConfig, total_steps: int) -> float:
@@ -54,23 +61,73 @@ class HostAdamW:
             amsgrad=False, lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd, eps=self.eps,
             maximize=False, grad_scale=None if clip == 1.0 else torch.tensor(1.0 / clip), found_inf=None)
 
+    def _sections(self, tile: Tile):
+        """(start, end, weight decay) of the decayed leading range and the rest."""
+        for start, end, wd in ((0, tile.layout.decay_numel, self.weight_decay),
+                               (tile.layout.decay_numel, tile.numel, 0.0)):
+            if end > start:
+                yield start, end, wd
+
+    def _widened(self, grad: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        if grad.dtype == torch.float32:
+            return grad[lo:hi]
+        if self._scratch is None or self._scratch.numel() < hi - lo:
+            self._scratch = torch.empty(max(hi - lo, min(CAST_CHUNK, grad.numel())))
+        g = self._scratch[:hi - lo]
+        g.copy_(grad[lo:hi])
+        return g
+
+    def _bias_corrections(self, step: int) -> tuple[float, float]:
+        return 1.0 - self.beta1 ** step, math.sqrt(1.0 - self.beta2 ** step)
+
+    def rollback(self, tile: Tile, lr: float) -> None:
+        """Undo this tile's last update, which must have used clip 1.0 and this lr (a skipped step).
+
+        About eight elementwise passes, over cache-sized chunks: one memory pass of the tile's state.
+        """
+        bc1, bc2_sqrt = self._bias_corrections(tile.step)
+        for start, end, wd in self._sections(tile):
+            for lo in range(start, end, ROLLBACK_CHUNK):
+                hi = min(end, lo + ROLLBACK_CHUNK)
+                p, m, v = tile.master[lo:hi], tile.exp_avg[lo:hi], tile.exp_avg_sq[lo:hi]
+                denom = v.sqrt().div_(bc2_sqrt).add_(self.eps)
+                p.addcdiv_(m, denom, value=lr / bc1)
+                if wd:
+                    p.div_(1.0 - lr * wd)
+                g = self._widened(tile.grad, lo, hi)
+                m.sub_(g, alpha=1.0 - self.beta1).div_(self.beta1)
+                v.addcmul_(g, g, value=-(1.0 - self.beta2)).div_(self.beta2).clamp_min_(0.0)
+        tile.step -= 1
+
+    def correct(self, tile: Tile, lr: float, clip: float) -> None:
+        """Turn this tile's last update, done with clip 1.0 and this lr, into the update with `clip`.
+
+        The moments are linear in the clipped gradient c*g, so m and v move by (1-b1)(c-1)g and
+        (1-b2)(c^2-1)g^2; the weight swaps its old Adam step for the new one (weight decay is the
+        same in both, so it cancels). One memory pass, like an update, instead of undo + redo.
+        """
+        bc1, bc2_sqrt = self._bias_corrections(tile.step)
+        step_size = lr / bc1
+        for start, end, _ in self._sections(tile):
+            for lo in range(start, end, ROLLBACK_CHUNK):
+                hi = min(end, lo + ROLLBACK_CHUNK)
+                p, m, v = tile.master[lo:hi], tile.exp_avg[lo:hi], tile.exp_avg_sq[lo:hi]
+                g = self._widened(tile.grad, lo, hi)
+                p.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(self.eps), value=step_size)
+                m.add_(g, alpha=(1.0 - self.beta1) * (clip - 1.0))
+                v.addcmul_(g, g, value=(1.0 - self.beta2) * (clip * clip - 1.0)).clamp_min_(0.0)
+                p.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(self.eps), value=-step_size)
+
     def update(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
         """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is)."""
         step = float(tile.step + 1)
-        for start, end, wd in ((0, tile.layout.decay_numel, self.weight_decay),
-                               (tile.layout.decay_numel, tile.numel, 0.0)):
-            if end <= start:
-                continue
+        for start, end, wd in self._sections(tile):
             if tile.grad.dtype == torch.float32:
                 self._fused(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
                             tile.exp_avg_sq[start:end], step, lr, wd, clip)
                 continue
             for lo in range(start, end, CAST_CHUNK):
                 hi = min(end, lo + CAST_CHUNK)
-                if self._scratch is None or self._scratch.numel() < hi - lo:
-                    self._scratch = torch.empty(min(CAST_CHUNK, tile.numel))
-                g = self._scratch[:hi - lo]
-                g.copy_(tile.grad[lo:hi])
-                self._fused(tile.master[lo:hi], g, tile.exp_avg[lo:hi], tile.exp_avg_sq[lo:hi],
-                            step, lr, wd, clip)
+                self._fused(tile.master[lo:hi], self._widened(tile.grad, lo, hi), tile.exp_avg[lo:hi],
+                            tile.exp_avg_sq[lo:hi], step, lr, wd, clip)
         tile.step += 1

@@ -1,51 +1,95 @@
-"""Host AdamW in a background thread, tile by tile, in the order the next forward needs them.
+"""Host AdamW in a background thread, tile by tile, overlapping the GPU.
 
-Exact clipping needs the global gradient norm, known only when the whole backward is done; so the
-updates cannot start earlier without changing the optimizer's semantics. What can overlap is the
-NEXT step: its forward waits only for the tile it is about to stream (`wait(tile)`), so the updates
-of later layers run while earlier layers compute. Cost: the forward of step t+1 is gated by the
-optimizer's throughput (about 2-4 G params/s on 16 cores) instead of by the GPU.
+Exact global-norm clipping needs the norm of ALL gradients before ANY weight changes, and the norm
+is known only when the backward is done. Two ways around the wait, both exact:
+
+  speculate  As each tile's gradients land (the backward is still running), update it with clip
+             coefficient 1 — the right answer whenever the gradient will not be clipped. The GPU
+             sends each tile's squared norm with its gradients, so the host keeps a running sum;
+             once that sum alone exceeds max_grad_norm, clipping is certain and speculation stops
+             for the rest of the step. When the step's verdict (`resolve`) says clip coefficient
+             1 and finite, every speculative update stands as it is (bit-identical to updating
+             afterwards). Otherwise each speculated tile is corrected to the true coefficient
+             (HostAdamW.correct, exact to fp32 rounding; one pass over its state, the cost of
+             the update it replaces), or corrected when the step is skipped for a non-finite
+             gradient. So a miss costs about what deferring would have, and a hit saves it.
+  defer      Tiles not speculated wait for the verdict; then they run in the order the NEXT
+             forward reads them (embedding, layers 0.., head), and that forward waits only for
+             the tile it is about to stream (`wait(tile)`).
+
+Jobs carry their step's context, so step t's deferred updates can still be running while step
+t+1's forward begins. One worker thread (AdamW is memory-bound; torch's fused kernel already uses
+all intra-op threads), so a tile's correction always follows its speculative update.
 """
 
 from __future__ import annotations
 
-import queue
+import math
 import threading
+from dataclasses import dataclass, field
 
 from megatrain_cli.optim.cpu_adamw import HostAdamW
 from megatrain_cli.store.tiles import HostStore
 
 
+@dataclass
+class StepContext:
+    index: int
+    lr: float
+    speculating: bool
+    partial_sq: float = 0.0  # running sum of the landed tiles' squared gradient norms
+    verdict: tuple[float, bool] | None = None  # (clip coefficient, finite), set by resolve()
+    speculated: set = field(default_factory=set)  # tiles updated with coefficient 1 before the verdict
+    corrected: int = 0
+
+
+@dataclass
+class _Job:
+    kind: str  # 'update' | 'fix' (correct a speculative update to the verdict, or roll it back)
+    tile: str
+    ctx: StepContext
+    spec_ok: bool = False  # an 'update' that may run before the verdict
+    seq: int = 0  # landing order
+
+
 class OptimizerWorker:
-    def __init__(self, optimizer: HostAdamW, store: HostStore):
+    def __init__(self, optimizer: HostAdamW, store: HostStore, *, forward_order: list[str],
+                 max_grad_norm: float | None, speculate: bool = True):
         self.optimizer, self.store = optimizer, store
+        self.max_grad_norm, self.speculate = max_grad_norm, speculate
+        self._rank = {name: i for i, name in enumerate(forward_order)}
         self._done = {name: threading.Event() for name in store.tiles}
         for ev in self._done.values():
             ev.set()
-        self._jobs: queue.Queue = queue.Queue()
+        self._pending = {name: 0 for name in store.tiles}
+        self._jobs: list[_Job] = []
+        self._cv = threading.Condition()
+        self._ctx: StepContext | None = None
+        self._steps = 0
+        self._seq = 0
+        self._closed = False
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="megatrain-adamw", daemon=True)
         self._thread.start()
 
-    def submit(self, order: list[str], lr: float, clip: float) -> None:
-        for name in order:
-            self._done[name].clear()
-        self._jobs.put((order, lr, clip))
+    # ------------------------------------------------------------ training thread
+    def begin_step(self, lr: float) -> None:
+        """A new step's gradients are about to land; they will be updated with this lr."""
+        with self._cv:
+            self._steps += 1
+            self._ctx = StepContext(self._steps, lr, speculating=self.speculate)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            order, lr, clip = job
-            for name in order:
-                try:
-                    if self._error is None:
-                        self.optimizer.update(self.store.tiles[name], lr, clip)
-                except BaseException as err:  # re-raised in the training thread by wait()
-                    self._error = err
-                finally:
-                    self._done[name].set()
+    def resolve(self, clip: float, finite: bool) -> dict:
+        """The step's verdict: deferred tiles may run; wrong speculations are corrected or undone."""
+        with self._cv:
+            ctx = self._ctx
+            ctx.verdict = (clip, finite)
+            if not (finite and clip == 1.0):
+                for tile in ctx.speculated:
+                    self._enqueue(_Job("fix", tile, ctx))
+                ctx.corrected = len(ctx.speculated)
+            self._cv.notify_all()
+            return {"speculated": len(ctx.speculated), "corrected": ctx.corrected}
 
     def wait(self, tile: str) -> None:
         """Block until `tile` holds its updated weights (a host-side wait, only when AdamW is behind)."""
@@ -59,5 +103,79 @@ class OptimizerWorker:
 
     def close(self) -> None:
         self.drain()
-        self._jobs.put(None)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
         self._thread.join()
+
+    # ------------------------------------------------------------ gradient-lander thread
+    def landed(self, tile: str, sq_norm: float) -> None:
+        """`tile`'s gradient for the current step is complete in the host store."""
+        with self._cv:
+            ctx = self._ctx
+            ctx.partial_sq += sq_norm
+            ok = ctx.speculating and math.isfinite(sq_norm) and (
+                self.max_grad_norm is None or math.sqrt(ctx.partial_sq) + 1e-6 <= self.max_grad_norm)
+            ctx.speculating = ok  # the running sum only grows: once over the threshold, stop
+            if ok:
+                # Decided here, in landing order, not by whether the worker gets to it before the
+                # verdict: which tiles are speculated (and later corrected) must not depend on thread
+                # timing, or clipped steps would differ run to run in the last bits.
+                ctx.speculated.add(tile)
+            self._seq += 1
+            self._enqueue(_Job("update", tile, ctx, spec_ok=ok, seq=self._seq))
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------ worker thread
+    def _enqueue(self, job: _Job) -> None:  # holds self._cv
+        self._pending[job.tile] += 1
+        self._done[job.tile].clear()
+        self._jobs.append(job)
+
+    def _key(self, job: _Job):
+        if job.ctx.verdict is None:
+            return (job.ctx.index, job.seq, 0)  # speculative: as gradients land
+        # Decided: in the order the next forward reads; a tile's update before its fix.
+        return (job.ctx.index, self._rank.get(job.tile, 0), job.kind == "fix")
+
+    def _next_job(self) -> _Job | None:
+        with self._cv:
+            while True:
+                runnable = [j for j in self._jobs if j.ctx.verdict is not None or j.spec_ok]
+                if runnable:
+                    job = min(runnable, key=self._key)
+                    self._jobs.remove(job)
+                    return job
+                if self._closed:
+                    return None
+                self._cv.wait()
+
+    def _execute(self, job: _Job) -> None:
+        tile, ctx = self.store.tiles[job.tile], job.ctx
+        if job.kind == "update" and job.tile in ctx.speculated:
+            self.optimizer.update(tile, ctx.lr, 1.0)
+            return
+        clip, finite = ctx.verdict
+        if job.kind == "fix":
+            if finite:
+                self.optimizer.correct(tile, ctx.lr, clip)
+            else:
+                self.optimizer.rollback(tile, ctx.lr)
+        elif finite:
+            self.optimizer.update(tile, ctx.lr, clip)
+
+    def _run(self) -> None:
+        while True:
+            job = self._next_job()
+            if job is None:
+                return
+            try:
+                if self._error is None:
+                    self._execute(job)
+            except BaseException as err:  # re-raised in the training thread by wait()
+                self._error = err
+            finally:
+                with self._cv:
+                    self._pending[job.tile] -= 1
+                    if self._pending[job.tile] == 0:
+                        self._done[job.tile].set()

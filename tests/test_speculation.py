@@ -1,0 +1,164 @@
+"""Speculative host AdamW (optim/worker.py): updates that start before the global gradient norm is
+known must give the optimizer's exact semantics — bit-identical when the step is not clipped, equal
+to fp32 rounding after a correction when it is, and no change at all when the step is skipped."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatrain_cli.engine.step import Engine
+from megatrain_cli.models.loader import build_store
+from megatrain_cli.optim.cpu_adamw import HostAdamW, lr_at
+from megatrain_cli.optim.worker import OptimizerWorker
+from megatrain_cli.recipe import TrainConfig
+from tests.reference import random_batches, tiny_config
+
+STEPS, ACCUM = 3, 2
+
+
+def make_store(arch="Qwen2ForCausalLM", tied=False, layers=4):
+    return build_store(tiny_config(arch, tied=tied, layers=layers), torch.float32, seed=3)
+
+
+def snapshot(store):
+    return {n: (t.master.clone(), t.exp_avg.clone(), t.exp_avg_sq.clone(), t.step) for n, t in store.tiles.items()}
+
+
+def train(max_grad_norm, *, overlap, speculate=True, steps=STEPS, tied=False):
+    config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=4)
+    store = build_store(config, torch.float32, seed=3)
+    cfg = TrainConfig(steps=steps, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=1,
+                      grad_accum=ACCUM, eps=1e-6)
+    batches = random_batches(config.vocab_size, steps, ACCUM, batch=2, seq=16, seed=5)
+    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
+                    overlap_optimizer=overlap, speculate=speculate)
+    results = [engine.step(mbs, lr_at(s, cfg, steps)) for s, mbs in enumerate(batches)]
+    engine.close()
+    return store, results
+
+
+def test_rollback_inverts_an_unclipped_update_to_fp32_rounding():
+    store = make_store()
+    tile = store.tiles["layers.1"]
+    g = torch.Generator().manual_seed(0)
+    tile.grad.copy_(torch.randn(tile.numel, generator=g) * 1e-2)
+    opt = HostAdamW(TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6))
+    opt.update(tile, 1e-3)  # a first step, so the moments are not zero
+    tile.grad.copy_(torch.randn(tile.numel, generator=g) * 1e-2)
+    before = (tile.master.clone(), tile.exp_avg.clone(), tile.exp_avg_sq.clone(), tile.step)
+    opt.update(tile, 1e-3, 1.0)
+    assert not torch.equal(tile.master, before[0])
+    opt.rollback(tile, 1e-3)
+    assert tile.step == before[3]
+    torch.testing.assert_close(tile.master, before[0], rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(tile.exp_avg, before[1], rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(tile.exp_avg_sq, before[2], rtol=1e-5, atol=1e-12)
+
+
+def test_correct_turns_an_unclipped_update_into_the_clipped_one():
+    store = make_store()
+    a, b = store.tiles["layers.1"], store.tiles["layers.2"]
+    g = torch.Generator().manual_seed(1)
+    opt = HostAdamW(TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6))
+    b.master.copy_(a.master)
+    for _ in range(2):  # two steps, so moments and bias corrections are not trivial
+        grad = torch.randn(a.numel, generator=g) * 1e-2
+        a.grad.copy_(grad)
+        b.grad.copy_(grad)
+        opt.update(a, 1e-3, 0.3)  # the exact clipped update
+        opt.update(b, 1e-3, 1.0)  # speculative...
+        opt.correct(b, 1e-3, 0.3)  # ...then corrected
+    assert a.step == b.step == 2
+    # atol: one ulp of a typical weight (|w| ~ 0.02 -> 1.9e-9): the correction passes through it.
+    torch.testing.assert_close(b.master, a.master, rtol=1e-6, atol=2e-9)
+    # m ~ (1-b1) g ~ 1e-3: a few ulp (1.2e-10 each) where the two routes round differently.
+    torch.testing.assert_close(b.exp_avg, a.exp_avg, rtol=1e-5, atol=5e-10)
+    torch.testing.assert_close(b.exp_avg_sq, a.exp_avg_sq, rtol=1e-5, atol=1e-14)
+
+
+def test_unclipped_steps_are_bit_identical_to_updating_after_the_backward():
+    plain, plain_res = train(1e9, overlap=False)
+    spec, spec_res = train(1e9, overlap=True, speculate=True)
+    for a, b in zip(plain_res, spec_res):
+        assert a.losses == b.losses
+        assert b.speculation["corrected"] == 0
+        assert b.speculation["speculated"] == len(spec.tiles)  # decided at landing, not by timing
+    for name, tile in plain.tiles.items():
+        assert torch.equal(spec.tiles[name].master, tile.master), name
+        assert torch.equal(spec.tiles[name].exp_avg_sq, tile.exp_avg_sq), name
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_clipped_step_is_corrected_to_the_exact_update(tied):
+    # Clip just below the first step's norm: the running norm crosses the threshold only with the
+    # last tiles, so nearly every tile is speculated and then corrected and redone.
+    _, probe = train(1e9, overlap=False, steps=1, tied=tied)
+    max_norm = probe[0].grad_norm * 0.999
+    plain, plain_res = train(max_norm, overlap=False, steps=1, tied=tied)
+    spec, spec_res = train(max_norm, overlap=True, steps=1, tied=tied)
+    info = spec_res[0].speculation
+    assert info["corrected"] == info["speculated"] >= len(spec.tiles) - 2
+    assert spec_res[0].losses == plain_res[0].losses
+    for name, tile in plain.tiles.items():
+        torch.testing.assert_close(spec.tiles[name].master, tile.master, rtol=1e-6, atol=2e-9)
+        torch.testing.assert_close(spec.tiles[name].exp_avg, tile.exp_avg, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(spec.tiles[name].exp_avg_sq, tile.exp_avg_sq, rtol=1e-5, atol=1e-12)
+        assert spec.tiles[name].step == tile.step == 1
+
+
+def test_speculation_stops_once_the_running_norm_exceeds_the_threshold():
+    spec, res = train(1e-3, overlap=True)  # every step heavily clipped
+    for r in res:
+        assert r.speculation["speculated"] <= 1, "the first tile alone is over the threshold"
+    plain, _ = train(1e-3, overlap=False)
+    for name, tile in plain.tiles.items():
+        torch.testing.assert_close(spec.tiles[name].master, tile.master, rtol=1e-6, atol=2e-9)
+
+
+def test_a_skipped_step_leaves_no_speculative_update_behind():
+    store = make_store()
+    for tile in store.tiles.values():
+        tile.grad.normal_(0, 1e-3)
+    before = snapshot(store)
+    opt = HostAdamW(TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6))
+    order = ["embed", *store.layer_names, "head"]
+    worker = OptimizerWorker(opt, store, forward_order=order, max_grad_norm=None, speculate=True)
+    worker.begin_step(1e-3)
+    for name in reversed(order):
+        worker.landed(name, float(store.tiles[name].grad.square().sum()))
+    info = worker.resolve(1.0, finite=False)  # e.g. a later micro-batch's loss was inf
+    worker.close()
+    assert info["corrected"] == info["speculated"] == len(order)
+    for name, (master, m, v, step) in before.items():
+        tile = store.tiles[name]
+        assert tile.step == step == 0
+        torch.testing.assert_close(tile.master, master, rtol=1e-6, atol=1e-9)
+        # From zero moments, rounding leaves residues of about one ulp of the gradient's terms
+        # (|g| ~ 1e-3: 1e-10 for m; g^2 ~ 1e-6 times 1e-3: 1e-16 for v).
+        torch.testing.assert_close(tile.exp_avg, m, rtol=0, atol=1e-10)
+        torch.testing.assert_close(tile.exp_avg_sq, v, rtol=0, atol=1e-15)
+
+
+def test_a_non_finite_tile_is_never_speculated():
+    store = make_store()
+    for tile in store.tiles.values():
+        tile.grad.normal_(0, 1e-3)
+    opt = HostAdamW(TrainConfig(lr=1e-3))
+    worker = OptimizerWorker(opt, store, forward_order=["embed", *store.layer_names, "head"],
+                             max_grad_norm=None, speculate=True)
+    worker.begin_step(1e-3)
+    worker.landed("head", math.inf)
+    worker.landed("layers.3", 1.0)  # after a non-finite tile, nothing more is speculated either
+    info = worker.resolve(1.0, finite=False)
+    worker.close()
+    assert info["speculated"] == 0
+
+
+def test_clipped_steps_are_deterministic_whatever_the_thread_timing():
+    runs = [train(0.5, overlap=True)[0] for _ in range(3)]
+    for store in runs[1:]:
+        for name, tile in runs[0].tiles.items():
+            assert torch.equal(store.tiles[name].master, tile.master), name
