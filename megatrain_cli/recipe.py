@@ -91,8 +91,13 @@ class EngineConfig:
     loss_chunk_tokens: int = doc("Tokens per chunk of the LM-head loss, so full logits never exist.", 4096)
     max_gpu_mem: Optional[str] = doc("Device-memory budget (e.g. '24GiB'); None: what the device has.", None)
     double_buffer: bool = doc("Prefetch the next layer's weights while this one computes (CUDA).", True)
-    overlap_optimizer: bool = doc("Run host AdamW as gradients land, overlapping the backward pass (CUDA).",
-                                  True)
+    overlap_optimizer: bool = doc("Run host AdamW in a background thread, overlapping the GPU (CUDA).", True)
+    speculate_optimizer: bool = doc("Update each layer as its gradients land, before the global gradient norm "
+                                    "is known; layers are rolled back and redone (exact to fp32 rounding) when "
+                                    "the step turns out clipped or non-finite. Needs overlap_optimizer.", True)
+    keep_activations: Union[int, str] = doc("Memory-adaptive recompute: how many of the last blocks keep their "
+                                            "activations instead of being recomputed; 'auto' = as many as fit "
+                                            "the device budget (0 on CPU).", "auto")
     kernels: Literal["auto", "torch", "triton"] = doc("Fused kernels: 'auto' uses Triton on CUDA, PyTorch on "
                                                       "CPU.", "auto")
 
@@ -258,6 +263,8 @@ def _check_semantics(r: Recipe, problems: list[str]) -> None:
         problems.append(f"engine.grad_slabs: must be >= 1, got {e.grad_slabs}")
     if isinstance(e.staging_bytes, str) and e.staging_bytes != "auto":
         problems.append(f"engine.staging_bytes: expected an int or 'auto', got {e.staging_bytes!r}")
+    if not (e.keep_activations == "auto" or (isinstance(e.keep_activations, int) and e.keep_activations >= 0)):
+        problems.append(f"engine.keep_activations: expected 'auto' or an int >= 0, got {e.keep_activations!r}")
     if e.loss_chunk_tokens < 1:
         problems.append(f"engine.loss_chunk_tokens: must be >= 1, got {e.loss_chunk_tokens}")
     if e.max_gpu_mem is not None:

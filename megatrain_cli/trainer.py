@@ -51,14 +51,28 @@ def model_config(r: Recipe, tokenizer):
     return config
 
 
+def device_budget(r: Recipe, device: torch.device) -> int | None:
+    """The recipe's engine.max_gpu_mem, else what the CUDA device has; None when unknown (CPU)."""
+    if r.engine.max_gpu_mem:
+        return parse_bytes(r.engine.max_gpu_mem)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
 def build_plan(r: Recipe, config, device: torch.device):
-    from megatrain_cli.engine.plan import make_plan
+    from megatrain_cli.engine.plan import make_plan, resolve_keep_blocks
     from megatrain_cli.models.adapter import ModelAdapter
 
-    return make_plan(ModelAdapter(config), DTYPES[r.model.dtype], micro_batch_size=r.train.micro_batch_size,
-                     seq_len=r.train.seq_len, grad_accum=r.train.grad_accum,
-                     checkpoint_interval=r.engine.checkpoint_interval, grad_slabs=r.engine.grad_slabs,
-                     loss_chunk_tokens=r.engine.loss_chunk_tokens, device_type=device.type)
+    args = dict(adapter=ModelAdapter(config), compute_dtype=DTYPES[r.model.dtype],
+                micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, grad_accum=r.train.grad_accum,
+                checkpoint_interval=r.engine.checkpoint_interval, grad_slabs=r.engine.grad_slabs,
+                loss_chunk_tokens=r.engine.loss_chunk_tokens, device_type=device.type)
+    keep = resolve_keep_blocks(r.engine.keep_activations, device_budget(r, device), **args)
+    plan = make_plan(**args, keep_blocks=keep)
+    if r.engine.keep_activations == "auto" and device_budget(r, device) is None and device.type == "cuda":
+        plan.notes.append("keep_activations 'auto' is decided on the GPU from its memory (0 assumed here)")
+    return plan
 
 
 def run_training(r: Recipe, *, dry_run: bool = False, force: bool = False) -> int:
@@ -95,8 +109,7 @@ def _train(r: Recipe, *, dry_run: bool, force: bool) -> int:
         return 0
     from megatrain_cli.engine.plan import preflight
 
-    budget = parse_bytes(r.engine.max_gpu_mem) if r.engine.max_gpu_mem else None
-    problems = preflight(plan, device=device, device_budget=budget)
+    problems = preflight(plan, device=device, device_budget=device_budget(r, device))
     if problems and not force:
         raise TrainingError("the run would not fit:\n  " + "\n  ".join(problems) +
                             "\n(--force runs it anyway)", 3)
@@ -107,10 +120,13 @@ def _loop(r: Recipe, device, tokenizer, config, plan) -> int:
     from megatrain_cli.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.data import build_train_data, load_examples, split_examples
+    from megatrain_cli.engine.plan import kept_block_ids
+    from megatrain_cli.engine.schedule import blocks
     from megatrain_cli.engine.step import Engine
     from megatrain_cli.metrics import JsonlLog
     from megatrain_cli.models.loader import build_store
     from megatrain_cli.optim.cpu_adamw import lr_at
+    from megatrain_cli.step_metrics import step_metrics
 
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -124,7 +140,10 @@ def _loop(r: Recipe, device, tokenizer, config, plan) -> int:
     store = build_store(config, DTYPES[r.model.dtype], weights_path=r.model.path, seed=r.model.seed)
     engine = Engine(store, t, device=device, checkpoint_interval=e.checkpoint_interval,
                     loss_chunk_tokens=e.loss_chunk_tokens, grad_slabs=e.grad_slabs,
-                    double_buffer=e.double_buffer, overlap_optimizer=e.overlap_optimizer and device.type == "cuda")
+                    double_buffer=e.double_buffer, overlap_optimizer=e.overlap_optimizer and device.type == "cuda",
+                    speculate=e.speculate_optimizer,
+                    keep_blocks=kept_block_ids(len(blocks(config.num_hidden_layers, e.checkpoint_interval)),
+                                               plan.keep_blocks))
     start, skipped = 0, 0
     resume = r.checkpoint.resume
     ckpt = latest_checkpoint(out) if resume == "auto" else (Path(resume) if resume else None)
@@ -167,8 +186,9 @@ def _loop(r: Recipe, device, tokenizer, config, plan) -> int:
                         raise TrainingError(f"step {step + 1}: loss {res.loss} / gradient norm {res.grad_norm} is "
                                             f"not finite (train.nan_policy=stop); the last checkpoint is intact", 1)
                 if (step + 1) % r.logging.every_n_steps == 0 or step + 1 == total:
-                    m = _metrics(res, step, total, lr, skipped, time.perf_counter() - t0, store, engine, device,
-                                 (time.perf_counter() - t_run) / (step + 1 - start) * (total - step - 1), t.seq_len)
+                    m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skipped,
+                                     step_time=time.perf_counter() - t0, seq_len=t.seq_len,
+                                     eta=(time.perf_counter() - t_run) / (step + 1 - start) * (total - step - 1))
                     dash.update(m)
                     if jsonl:
                         jsonl.write(m)
@@ -200,29 +220,3 @@ def _loop(r: Recipe, device, tokenizer, config, plan) -> int:
                  batch_size=r.eval.batch_size, max_new_tokens=r.eval.max_new_tokens, output_dir=str(out / "eval"),
                  device=device.type, data_cfg=r.data)
     return code
-
-
-def _metrics(res, step, total, lr, skipped, step_time, store, engine, device, eta, seq_len):
-    from megatrain_cli.metrics import StepMetrics, host_rss_bytes, model_flops, peak_tflops
-
-    adapter = store.adapter
-    matmul = store.num_params() - (0 if adapter.tied else store.layouts["embed"].numel)
-    flops = model_flops(matmul, res.tokens, res.tokens // seq_len, seq_len, adapter.hidden_size, adapter.num_layers)
-    tflops = flops / step_time / 1e12
-    cuda = device.type == "cuda"
-    name = torch.cuda.get_device_name(device) if cuda else None
-    peak = peak_tflops(name)
-    stall = engine.streamer.stall_seconds() if cuda else None
-    return StepMetrics(
-        step=step + 1, total_steps=total, loss=res.loss, lr=lr, grad_norm=res.grad_norm, tokens=res.tokens,
-        loss_tokens=res.loss_tokens, step_time_s=step_time, tokens_per_s=res.tokens / step_time,
-        model_tflops=tflops, executed_tflops=None, mfu=(tflops / peak) if peak else None,
-        h2d_gbps=res.h2d_bytes / step_time / 1e9 if cuda else None,
-        d2h_gbps=res.d2h_bytes / step_time / 1e9 if cuda else None,
-        overlap=(1.0 - stall / step_time) if cuda else None,
-        time_forward_s=res.times.get("forward"), time_backward_s=res.times.get("backward"),
-        time_optimizer_s=res.times.get("optimizer"), time_wait_weights_s=stall,
-        gpu_mem_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
-        host_rss_bytes=host_rss_bytes(), pinned_bytes=engine.streamer.pinned_bytes() + engine.sink.pinned_bytes(),
-        skipped_steps=skipped, eta_s=eta)
-

@@ -19,15 +19,15 @@ STEPS, ACCUM = 3, 2
 
 
 def train(device, dtype, *, arch="Qwen2ForCausalLM", tied=False, layers=5, interval=2, overlap=True,
-          hidden=64, seed=3):
+          hidden=64, seed=3, keep_blocks=frozenset(), max_grad_norm=0.5):
     config = tiny_config(arch, tied=tied, layers=layers, hidden=hidden, inter=hidden * 3)
     store = build_store(config, dtype, seed=seed)
-    cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1,
+    cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=1,
                       grad_accum=ACCUM, eps=1e-6)
     batches = random_batches(config.vocab_size, STEPS, ACCUM, batch=2, seq=32, seed=5)
     start = {k: v.clone() for k, v in store.hf_state_dict().items()}
     engine = Engine(store, cfg, device=torch.device(device), checkpoint_interval=interval,
-                    loss_chunk_tokens=24, overlap_optimizer=overlap, grad_slabs=3)
+                    loss_chunk_tokens=24, overlap_optimizer=overlap, grad_slabs=3, keep_blocks=keep_blocks)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     engine.close()
     return config, store, start, batches, cfg, results

@@ -33,7 +33,7 @@ STEPS, ACCUM = 3, 2
 ADAM_EPS = 1e-6
 
 
-def run_both(arch, tied, layers, interval, *, packed=False, chunk=7):
+def run_both(arch, tied, layers, interval, *, packed=False, chunk=7, keep_blocks=frozenset()):
     config = tiny_config(arch, tied=tied, layers=layers)
     store = build_store(config, torch.float32, seed=3)
     cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1,
@@ -47,7 +47,7 @@ def run_both(arch, tied, layers, interval, *, packed=False, chunk=7):
                 mb.position_ids = pos
     ref_losses = reference_train(ref, batches, cfg, STEPS)
     engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval,
-                    loss_chunk_tokens=chunk)
+                    loss_chunk_tokens=chunk, keep_blocks=keep_blocks)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     return store, ref, ref_losses, results
 
@@ -119,3 +119,12 @@ def test_unsupported_architecture_is_refused():
     config = AutoConfig.for_model("gpt2", n_layer=2, n_embd=32, n_head=4, architectures=["GPT2LMHeadModel"])
     with pytest.raises(UnsupportedArchitecture, match="GPT2LMHeadModel.*supported: Qwen2ForCausalLM"):
         ModelAdapter(config)
+
+
+@pytest.mark.parametrize("keep", [frozenset({1}), frozenset({0, 1, 2})])
+def test_parity_with_kept_activations(keep):
+    """Memory-adaptive recompute: blocks that keep their activations skip the recompute, same math."""
+    store, ref, ref_losses, results = run_both("LlamaForCausalLM", False, 5, 2, keep_blocks=keep)
+    for res, expected in zip(results, ref_losses):
+        assert res.losses == pytest.approx(expected, rel=1e-5)
+    assert_same_params(store, ref, tied=False)

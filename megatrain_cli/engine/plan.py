@@ -26,6 +26,7 @@ class MemoryPlan:
     pinned: dict = field(default_factory=dict)
     device: dict = field(default_factory=dict)
     h2d_per_layer: float = 0.0
+    keep_blocks: int = 0  # last blocks whose activations are kept instead of recomputed
     notes: list = field(default_factory=list)
 
     @property
@@ -43,24 +44,28 @@ class MemoryPlan:
     def render(self) -> str:
         lines = [f"memory plan for {self.params / 1e9:.3f} B parameters"]
 
+        width = max(len(k) for k in [*self.host, *self.pinned, *self.device])
+
         def table(title: str, items: dict, total: int) -> None:
             lines.append(f"  {title}")
             for k, v in items.items():
-                lines.append(f"    {k:<38} {v / GiB:10.2f} GiB   {v / self.params:6.2f} B/param")
-            lines.append(f"    {'total':<38} {total / GiB:10.2f} GiB   {total / self.params:6.2f} B/param")
+                lines.append(f"    {k:<{width}} {v / GiB:10.2f} GiB   {v / self.params:6.2f} B/param")
+            lines.append(f"    {'total':<{width}} {total / GiB:10.2f} GiB   {total / self.params:6.2f} B/param")
 
         table("host, pageable (the tiles)", self.host, self.host_total)
         table("host, pinned (staging + gradient slabs)", self.pinned, self.pinned_total)
         table("device, peak (estimate)", self.device, self.device_total)
         lines.append(f"  host bytes per parameter, all state: {(self.host_total + self.pinned_total) / self.params:.2f}")
         lines.append(f"  H2D weight transfers per layer per step: {self.h2d_per_layer:.2f}")
+        lines.append(f"  blocks keeping their activations (no recompute): {self.keep_blocks}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
 def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_size: int, seq_len: int,
               grad_accum: int, checkpoint_interval: int, grad_slabs: int, layer_slots: int = 2,
-              loss_chunk_tokens: int = 4096, device_type: str = "cuda") -> MemoryPlan:
+              loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0) -> MemoryPlan:
+    """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute)."""
     store = HostStore(adapter, compute_dtype, allocate=False)
     n = store.num_params()
     width = torch.finfo(compute_dtype).bits // 8
@@ -83,21 +88,65 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
         plan.device["tied embedding table"] = store.layouts["embed"].numel * width
     plan.device["layer gradient (fp32 accumulator + cast)"] = big * (4 + width) + big * width
     plan.device["LM head gradient (fp32)"] = vocab * h * 4
-    n_blocks = len(blocks(layers, checkpoint_interval))
+    bl = blocks(layers, checkpoint_interval)
+    keep_blocks = max(0, min(keep_blocks, len(bl)))
+    kept_layers = sum(len(b) for b in bl[len(bl) - keep_blocks:])
     hidden_bytes = tokens * h * width
-    plan.device["activation checkpoints (estimate)"] = n_blocks * grad_accum * hidden_bytes
-    # Per layer per micro-batch, what autograd keeps for SDPA attention + SwiGLU MLP: about
-    # 10 hidden-sized and 4 intermediate-sized tensors (an estimate, checked against measured peaks).
-    per_layer = tokens * (10 * h + 4 * inter) * width
-    plan.device["recomputed block activations (estimate)"] = checkpoint_interval * grad_accum * per_layer
+    plan.device["activation checkpoints (estimate)"] = (len(bl) - keep_blocks) * grad_accum * hidden_bytes
+    per_layer = activation_bytes_per_layer(adapter, tokens, width)
     chunk = min(loss_chunk_tokens, tokens)
-    plan.device["loss chunk logits + grads"] = chunk * vocab * (width + 4 + 4)
-    counts = transfers_per_layer(build_schedule(layers, checkpoint_interval), layer_slots)
+    loss_chunk = chunk * vocab * (width + 4 + 4)
+    # Kept blocks are the LAST ones: their activations live from their forward to their backward,
+    # which runs first; by the time a block is recomputed they are gone. So the peak is the larger
+    # of (kept activations + the loss chunk at the head) and (one recomputed block).
+    recomputed = checkpoint_interval * grad_accum * per_layer if keep_blocks < len(bl) else 0
+    kept = kept_layers * grad_accum * per_layer
+    if kept + loss_chunk >= recomputed:
+        plan.device[f"kept activations, last {keep_blocks} blocks = {kept_layers} layers (estimate)"] = kept
+        plan.device["loss chunk logits + grads"] = loss_chunk
+    else:
+        plan.device["recomputed block activations (estimate)"] = recomputed
+    plan.keep_blocks = keep_blocks
+    counts = transfers_per_layer(build_schedule(layers, checkpoint_interval, kept_block_ids(len(bl), keep_blocks)),
+                                 layer_slots)
     plan.h2d_per_layer = sum(counts.get(f"layers.{i}", 0) for i in range(layers)) / layers
     if checkpoint_interval > layer_slots:
         plan.notes.append(f"checkpoint_interval {checkpoint_interval} > {layer_slots} weight slots: part of "
                           "each block is streamed a third time for its backward")
     return plan
+
+
+def activation_bytes_per_layer(adapter: ModelAdapter, tokens: int, width: int) -> int:
+    """What autograd keeps for one decoder layer over `tokens` tokens (SDPA attention + SwiGLU MLP):
+    about 10 hidden-sized and 4 intermediate-sized tensors, plus 15% for what the count misses
+    (GQA's expanded K/V, fp32 norm inputs). An estimate, checked against measured peaks."""
+    h = adapter.hidden_size
+    inter = int(getattr(adapter.config, "intermediate_size", 4 * h))
+    return int(1.15 * tokens * (10 * h + 4 * inter) * width)
+
+
+def kept_block_ids(n_blocks: int, keep_blocks: int) -> frozenset[int]:
+    return frozenset(range(n_blocks - keep_blocks, n_blocks))
+
+
+def choose_keep_blocks(budget_bytes: int, headroom: float = 0.88, **plan_args) -> int:
+    """Memory-adaptive recompute: the most trailing blocks whose activations fit the device budget
+    (with `headroom` left for the allocator's fragmentation and cuBLAS/SDPA workspaces)."""
+    n_blocks = len(blocks(plan_args["adapter"].num_layers, plan_args["checkpoint_interval"]))
+    best = 0
+    for n in range(1, n_blocks + 1):
+        if make_plan(**plan_args, keep_blocks=n).device_total <= headroom * budget_bytes:
+            best = n
+    return best
+
+
+def resolve_keep_blocks(setting: int | str, budget_bytes: int | None, **plan_args) -> int:
+    """The recipe's engine.keep_activations: 'auto' fills the device budget (CUDA only), N keeps N."""
+    if setting != "auto":
+        return max(0, int(setting))
+    if plan_args.get("device_type", "cuda") != "cuda" or not budget_bytes:
+        return 0
+    return choose_keep_blocks(budget_bytes, **plan_args)
 
 
 def available_host_bytes() -> int:
