@@ -10,17 +10,22 @@ forward (2 x params x tokens per recomputed layer).
 from __future__ import annotations
 
 import gc
+import io
 import json
 import time
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from megatrain_cli.engine.plan import kept_block_ids, make_plan, resolve_keep_blocks
+from megatrain_cli.engine.schedule import blocks
 from megatrain_cli.engine.step import Engine, MicroBatch
 from megatrain_cli.metrics import host_rss_bytes, model_flops
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.step_metrics import step_metrics
 
 
 def parse_tokens(text: str | int) -> int:
@@ -73,20 +78,37 @@ def synthetic_batch(vocab: int, batch: int, seq: int, seed: int) -> MicroBatch:
 
 def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: int = 1,
                  checkpoint_interval: int = 4, layer_slots: int = 2, double_buffer: bool = True,
-                 overlap_optimizer: bool = True, grad_slabs: int = 12, loss_chunk_tokens: int = 8192,
-                 device: str = "cuda", warmup: int = 1, log=print) -> BenchResult:
+                 overlap_optimizer: bool = True, speculate: bool = True, keep_activations: int | str = "auto",
+                 device_budget: int | None = None, grad_slabs: int = 12, loss_chunk_tokens: int = 8192,
+                 max_grad_norm: float | None = 1.0, device: str = "cuda", warmup: int = 1, log=print,
+                 dashboard=None, frame_path: str | None = None, store=None, optimizer: bool = True) -> BenchResult:
+    """Warm-up + timed steps of the engine. `dashboard` (a Dashboard) gets every step's metrics;
+    `frame_path` receives the rendered text of the last step's rich frame; `store` reuses a host
+    store built earlier (same preset), so several variants share one initialisation. `optimizer=False`
+    times forward + backward alone (the reference for "the optimizer costs < 5% of the step")."""
     p = PRESETS[preset]
     config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
     dev = torch.device(device)
     t0 = time.perf_counter()
-    store = build_store(config, torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=0)
+    if store is None:
+        store = build_store(config, torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=0)
     log(f"[bench] host store ready: {store.num_params() / 1e9:.2f} B params, "
         f"{store.host_bytes() / 2**30:.1f} GiB, init {time.perf_counter() - t0:.1f} s")
-    cfg = TrainConfig(steps=steps + warmup, lr=1e-5, max_grad_norm=1.0, grad_accum=grad_accum,
+    cfg = TrainConfig(steps=steps + warmup, lr=1e-5, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
                       micro_batch_size=batch, seq_len=seq)
+    if device_budget is None and dev.type == "cuda":
+        device_budget = torch.cuda.get_device_properties(dev).total_memory
+    plan_args = dict(adapter=store.adapter, compute_dtype=store.compute_dtype, micro_batch_size=batch, seq_len=seq,
+                     grad_accum=grad_accum, checkpoint_interval=checkpoint_interval, grad_slabs=grad_slabs,
+                     layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens, device_type=dev.type)
+    keep = resolve_keep_blocks(keep_activations, device_budget, **plan_args)
+    plan = make_plan(**plan_args, keep_blocks=keep)
+    log(plan.render())
+    n_blocks = len(blocks(config.num_hidden_layers, checkpoint_interval))
     engine = Engine(store, cfg, device=dev, checkpoint_interval=checkpoint_interval,
                     loss_chunk_tokens=loss_chunk_tokens, layer_slots=layer_slots, grad_slabs=grad_slabs,
-                    double_buffer=double_buffer, overlap_optimizer=overlap_optimizer)
+                    double_buffer=double_buffer, overlap_optimizer=overlap_optimizer and optimizer, speculate=speculate,
+                    keep_blocks=kept_block_ids(n_blocks, keep))
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     results, losses, stall = [], [], 0.0
@@ -99,14 +121,21 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                 torch.cuda.synchronize(dev)
             t_timed = time.perf_counter()
         t_s = time.perf_counter()
-        res = engine.step(mbs, 1e-5)
+        res = engine.step(mbs, 1e-5) if optimizer else engine.forward_backward(mbs)
         losses.append(res.loss)
+        metrics = step_metrics(res, engine=engine, step=s, total=warmup + steps, lr=1e-5, skipped=0,
+                               step_time=time.perf_counter() - t_s, seq_len=seq)
+        if dashboard is not None:
+            dashboard.update(metrics)
         if s >= warmup:
             results.append(res)
             if dev.type == "cuda":
                 stall += engine.streamer.stall_seconds()
+        spec = res.speculation
         log(f"[bench] step {s}{' (warm-up)' if s < warmup else ''}: loss {res.loss:.4f} "
-            f"{time.perf_counter() - t_s:.2f} s {({k: round(v, 2) for k, v in res.times.items()})}")
+            f"norm {res.grad_norm:.3f} {time.perf_counter() - t_s:.2f} s "
+            f"{({k: round(v, 2) for k, v in res.times.items()})}"
+            + (f" speculated {spec['speculated']} corrected {spec['corrected']}" if spec else ""))
     engine.synchronize()  # the last step's updates count too
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -117,7 +146,10 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
         store.layouts["embed"].numel if store.adapter.tied else 0)
     layer_params = sum(store.layouts[n].numel for n in store.layer_names)
     flops = causal_lm_flops(matmul_params, batch * grad_accum, seq, config.hidden_size, config.num_hidden_layers)
-    recomputed = 2.0 * layer_params * tokens + 2.0 * batch * grad_accum * seq * seq * config.hidden_size * config.num_hidden_layers
+    recomputed_layers = config.num_hidden_layers - sum(len(b) for b in blocks(config.num_hidden_layers,
+                                                                            checkpoint_interval)[n_blocks - keep:])
+    recomputed = (2.0 * layer_params * tokens + 2.0 * batch * grad_accum * seq * seq * config.hidden_size
+                  * config.num_hidden_layers) * recomputed_layers / config.num_hidden_layers
     h2d = sum(r.h2d_bytes for r in results) / wall / 1e9
     d2h = sum(r.d2h_bytes for r in results) / wall / 1e9
     split = {k: round(sum(r.times.get(k, 0.0) for r in results) / steps, 3)
@@ -131,13 +163,32 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
         host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(),
         bytes_per_param=store.host_bytes() / store.num_params(), h2d_gbps=h2d, d2h_gbps=d2h,
         overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=losses,
-        notes=f"checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} "
-              f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} "
-              f"h2d_per_layer={results[-1].h2d_count.get('layers.1', 0)}")
+        notes=("NO OPTIMIZER (forward + backward only) " if not optimizer else "") +
+              f"checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
+              f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} speculate={speculate} "
+              f"max_grad_norm={max_grad_norm} predicted_peak_GiB={plan.device_total / 2**30:.1f} "
+              f"speculated={sum(r.speculation.get('speculated', 0) for r in results)} "
+              f"corrected={sum(r.speculation.get('corrected', 0) for r in results)} "
+              f"h2d_layer_transfers={sum(v for k, v in results[-1].h2d_count.items() if k.startswith('layers.'))}")
+    if frame_path:
+        Path(frame_path).write_text(render_frame(metrics, title=f"megatrain bench {preset} {batch}x{seq}",
+                                                 total_steps=warmup + steps))
     engine.close()
     del engine, store
     gc.collect()
     return result
+
+
+def render_frame(metrics, *, title: str, total_steps: int, width: int = 132) -> str:
+    """The rich dashboard's frame for these metrics, as plain text (what a terminal would show)."""
+    from rich.console import Console
+
+    from megatrain_cli.dashboard import Dashboard
+
+    console = Console(record=True, width=width, file=io.StringIO(), force_terminal=False, color_system=None)
+    dash = Dashboard("off", total_steps=total_steps, title=title, console=console)
+    console.print(dash.render(metrics))
+    return console.export_text()
 
 
 def bench_native(preset: str, batch: int, seq: int, steps: int, *, warmup: int = 1, log=print) -> BenchResult:
