@@ -251,7 +251,10 @@ def format_table(results: list[BenchResult]) -> str:
     if len(results) > 1:
         base = results[-1]
         for r in results[:-1]:
-            lines.append(f"{r.name} / {base.name}: {r.tokens_per_s / base.tokens_per_s:.2f}x tokens/s")
+            if base.tokens_per_s > 0:
+                lines.append(f"{r.name} / {base.name}: {r.tokens_per_s / base.tokens_per_s:.2f}x tokens/s")
+            else:
+                lines.append(f"{r.name} / {base.name}: {base.name} produced no result ({base.notes})")
     return "\n".join(lines)
 
 
