@@ -10,6 +10,8 @@ TORCH_SPEC ?= torch==2.13.0
 install:
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	@$(PY) -m pip install -q -e ".[test]"
+	@# Triton runs kernels/ tests on the CPU (TRITON_INTERPRET=1); CUDA torch builds bring their own.
+	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q triton==3.6.0
 
 demo: install
 	megatrain train recipes/tiny.yaml
