@@ -75,10 +75,17 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           layer_slots: int = typer.Option(2, help="Device weight buffers for layers (>= 2)."),
           max_gpu_mem: Optional[str] = typer.Option(None, help="Device-memory budget, e.g. 24GiB."),
           baseline: Optional[str] = typer.Option(None, help="Also run: native | deepspeed."),
+          keep_activations: str = typer.Option("auto", help="Last blocks keeping their activations (no "
+                                               "recompute): auto (fill the device budget) or N."),
+          max_grad_norm: float = typer.Option(1.0, help="Clipping threshold (<= 0: no clipping)."),
           no_double_buffer: bool = typer.Option(False, help="Ablation: no prefetch of the next layer."),
+          no_speculation: bool = typer.Option(False, help="Ablation: host AdamW waits for the gradient norm "
+                                              "instead of starting as each layer's gradients land."),
           no_overlap_optimizer: bool = typer.Option(False, help="Ablation: optimizer after the step, not "
                                                     "pipelined into the next forward."),
           device: str = typer.Option("cuda", help="cuda or cpu."),
+          dashboard: str = typer.Option("auto", help="Live view: auto, rich, plain or off."),
+          frame: Optional[Path] = typer.Option(None, help="Write the last step's dashboard frame (text) here."),
           as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
           output: Optional[Path] = typer.Option(None, help="Also write the JSON here.")) -> None:
     """Full training steps of a random-init preset on synthetic tokens, against a baseline."""
@@ -94,42 +101,75 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         _fail("bench needs a CUDA GPU (use --device cpu for a functional run on a small preset)")
     if baseline not in (None, "native", "deepspeed"):
         _fail(f"unknown baseline '{baseline}' (native | deepspeed)")
-    if baseline == "deepspeed":
-        _fail("--baseline deepspeed is not implemented yet", 3)
+    budget = None
+    if keep_activations != "auto" and not keep_activations.isdigit():
+        _fail(f"--keep-activations: expected auto or a number, got {keep_activations!r}")
     if max_gpu_mem is not None:
         budget = parse_bytes(max_gpu_mem)
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+    from megatrain_cli.dashboard import MODES, Dashboard
+
+    if dashboard not in MODES:
+        _fail(f"--dashboard: one of {', '.join(MODES)}, got {dashboard!r}")
     seq_len = b.parse_tokens(seq)
-    results = [b.bench_engine(model, batch, seq_len, steps, grad_accum=grad_accum,
-                              checkpoint_interval=checkpoint_interval, layer_slots=layer_slots,
-                              double_buffer=not no_double_buffer, overlap_optimizer=not no_overlap_optimizer,
-                              device=device, log=lambda m: typer.echo(m, err=True))]
+    ds_result = None
+    if baseline == "deepspeed":
+        # First, in a watched child process: DeepSpeed gets the host memory to itself (ours is not
+        # allocated yet) and returns all of it when it exits (or is killed for memory).
+        from megatrain_cli.baselines.deepspeed_bench import bench_deepspeed
+
+        ds_result = bench_deepspeed(model, batch * grad_accum, seq_len, steps, log=lambda m: typer.echo(m, err=True),
+                                    timeout_s=540)
+    with Dashboard(dashboard, total_steps=steps + 1, title=f"megatrain bench {model}") as dash:
+        results = [b.bench_engine(
+            model, batch, seq_len, steps, grad_accum=grad_accum, checkpoint_interval=checkpoint_interval,
+            layer_slots=layer_slots, double_buffer=not no_double_buffer,
+            overlap_optimizer=not no_overlap_optimizer, speculate=not no_speculation, device_budget=budget,
+            keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
+            max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device,
+            log=lambda m: typer.echo(m, err=True), dashboard=dash, frame_path=str(frame) if frame else None)]
     if baseline == "native":
         results.append(b.bench_native(model, batch * grad_accum, seq_len, steps,
                                       log=lambda m: typer.echo(m, err=True)))
+    if ds_result is not None:
+        results.append(ds_result)
     typer.echo(b.to_json(results) if as_json else b.format_table(results))
     if output:
         output.write_text(b.to_json(results))
 
 
 @app.command("eval")
-def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory or a checkpoint's final/."),
+def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory, a checkpoint's final/, or "
+                                       "preset:NAME (random-init weights of a bench preset, e.g. preset:7b, to "
+                                       "measure generation speed without a checkpoint: its answers are noise and "
+                                       "every row runs to --max-new-tokens; prompts use the bundled tokenizer, the "
+                                       "model keeps the preset's vocabulary (tiny: the tokenizer's), ids past the "
+                                       "tokenizer decode to nothing)."),
              data: str = typer.Option("builtin:sample_math", help="Dataset (see the recipe's data.source)."),
              split: str = typer.Option("test", help="test (the seeded held-out split), train or all."),
              limit: Optional[int] = typer.Option(None, help="Evaluate at most N examples."),
-             batch_size: int = typer.Option(8, help="Prompts per generation batch."),
+             batch_size: int = typer.Option(8, help="Prompts per generation batch (streamed: tokens/s grows with "
+                                            "it, each step streams the whole model once)."),
              max_new_tokens: int = typer.Option(256, help="Generation length limit."),
+             mode: str = typer.Option("auto", help="resident (whole model on the device), streamed (weights stay "
+                                      "in host memory, every layer streams to the device each step: models larger "
+                                      "than the GPU; decoding is bound by the host link) or auto (resident when "
+                                      "it fits in free device memory; resident on CPU)."),
              output_dir: Path = typer.Option(Path("."), help="Where results.json and predictions.jsonl go."),
              device: str = typer.Option("auto", help="auto, cpu or cuda.")) -> None:
-    """Exact-match accuracy of greedy answers on math word problems (MetaMathQA / GSM8K style)."""
+    """Exact-match accuracy of greedy answers on math word problems (MetaMathQA / GSM8K style), with
+    generated tokens/s, mode and wall time in results.json."""
     from megatrain_cli.eval.run import run_eval
+    from megatrain_cli.eval.source import MODES, PRESET_PREFIX
 
-    if not Path(model).is_dir():
+    if not model.startswith(PRESET_PREFIX) and not Path(model).is_dir():
         _fail(f"model directory not found: {model}")
+    if mode not in MODES:
+        _fail(f"--mode: expected one of {', '.join(MODES)}, got {mode!r}")
     try:
         run_eval(model, data, split=split, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                 output_dir=str(output_dir), device=device)
+                 output_dir=str(output_dir), device=device, mode=mode)
     except ValueError as err:
         _fail(str(err))
 

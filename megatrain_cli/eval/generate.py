@@ -1,13 +1,16 @@
 """Batched greedy generation for exact-match eval: left padding, stop at eos or at a stop string.
 
-The whole model sits on one device here (HF `generate`). Generation that streams layers from host
-memory, for models larger than the GPU, is not written yet.
+One batch runs either on an HF model that sits whole on one device (`hf_greedy_batch`: HF
+`generate`) or on a `streamed.StreamedModel`, whose weights stay in host memory and stream to the
+device layer by layer (its `greedy_batch`). Both take the same left-padded batch and the same
+stopping rules from here, and give the same token ids.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -48,31 +51,50 @@ def generate_greedy(model, tokenizer, prompts: list[list[int]], *, eos_ids: list
                     progress=None) -> tuple[list[Generation], float]:
     """Greedy answers for token-id prompts (in their order) and the seconds spent generating.
 
-    Prompts are batched by length so that little of each batch is padding.
+    `model` is an HF causal LM on its device, or anything with a `greedy_batch` like `hf_greedy_batch`
+    (a `StreamedModel`). Prompts are batched by length so that little of each batch is padding.
     """
-    from transformers import GenerationConfig, StoppingCriteriaList
-
-    device = next(model.parameters()).device
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids,
-                              pad_token_id=pad_id)
+    run_batch = getattr(model, "greedy_batch", None) or partial(hf_greedy_batch, model)
     order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), i))
     results: list[Generation | None] = [None] * len(prompts)
     seconds = 0.0
     for lo in range(0, len(order), batch_size):
         idx = order[lo:lo + batch_size]
         input_ids, mask = left_pad([prompts[i] for i in idx], pad_id)
-        criteria = StoppingCriteriaList([StopOnStrings(tokenizer, stop, input_ids.shape[1])]) if stop else None
+        stop_criteria = [StopOnStrings(tokenizer, stop, input_ids.shape[1])] if stop else []
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids.to(device), attention_mask=mask.to(device),
-                                 generation_config=config, stopping_criteria=criteria)
-        seconds += time.perf_counter() - t0
-        new = out[:, input_ids.shape[1]:].cpu()
+            new = run_batch(input_ids, mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
+                            stop_criteria=stop_criteria)
+        seconds += time.perf_counter() - t0  # new ids are on the host: the device work is done
         for row, i in enumerate(idx):
             results[i] = _finish(tokenizer, new[row].tolist(), eos_ids, pad_id, stop)
         if progress is not None:
             progress(min(lo + batch_size, len(order)), len(order))
     return results, seconds
+
+
+def hf_greedy_batch(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                    eos_ids: list[int], pad_id: int, stop_criteria: list) -> torch.Tensor:
+    """One left-padded batch through HF `generate`: the new ids (on the host), rows that ended early
+    filled with pad ids. HF adds the eos criterion itself from the generation config."""
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    device = next(model.parameters()).device
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_ids,
+                              pad_token_id=pad_id)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         generation_config=config,
+                         stopping_criteria=StoppingCriteriaList(stop_criteria) if stop_criteria else None)
+    return out[:, input_ids.shape[1]:].cpu()
+
+
+def stopping_rules(eos_ids: list[int], stop_criteria: list):
+    """What ends a row, for a decoding loop of our own: the criteria HF `generate` applies (its eos
+    criterion plus ours), called on the whole sequence after each new token."""
+    from transformers import EosTokenCriteria, StoppingCriteriaList
+
+    return StoppingCriteriaList([EosTokenCriteria(eos_ids), *stop_criteria])
 
 
 def _finish(tokenizer, new_ids: list[int], eos_ids: list[int], pad_id: int, stop: list[str]) -> Generation:

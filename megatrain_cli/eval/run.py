@@ -1,13 +1,15 @@
-"""Exact-match eval: greedy answers of a model directory on held-out problems, scored against gold.
+"""Exact-match eval: greedy answers of a model on held-out problems, scored against gold.
 
 'test' is the held-out side of the very split the trainer makes (same source, seed and fraction
 through `split_examples`), and prompts go through the same `render_prompt` / `encode_prompt`, so the
-model is asked exactly what it was trained to answer.
+model is asked exactly what it was trained to answer. The model runs resident or streamed from host
+memory (`source.choose_mode`); results.json records which, with generated tokens/s and wall time.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +21,8 @@ from megatrain_cli.data.prompts import default_prefix_ids, encode_prompt, eos_id
     stop_strings, uses_chat_template
 from megatrain_cli.eval.extract import answers_match, extract_answer
 from megatrain_cli.eval.generate import generate_greedy
+from megatrain_cli.eval.source import choose_mode, load_resident, load_streamed, model_eos_ids, num_params, \
+    resolve_model
 from megatrain_cli.models.tokenizer import has_tokenizer_files, load_bundled_tokenizer, load_tokenizer_dir
 from megatrain_cli.recipe import DataConfig
 
@@ -29,14 +33,17 @@ PREDICTIONS_FILE = "predictions.jsonl"
 
 def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: int | None = None,
              batch_size: int = 8, max_new_tokens: int = 256, output_dir: str = ".", device: str = "auto",
-             data_format: str = "auto", template: str = "auto", test_fraction: float = 0.3,
+             mode: str = "auto", data_format: str = "auto", template: str = "auto", test_fraction: float = 0.3,
              split_seed: int = 1234, data_cfg: DataConfig | None = None,
              log: Callable[[str], None] | None = print) -> dict:
     """Evaluate `model_path` on `data_source`; write results.json and predictions.jsonl; return the results.
 
+    `model_path` is an HF model directory or `preset:NAME` (random weights, for speed: see `source`).
+    `mode` is resident, streamed or auto (see `source.choose_mode`).
     `data_cfg`, when given (the trainer passes its recipe's), replaces data_source / data_format /
     template / test_fraction / split_seed, so fields, max_samples and test_source carry over too.
     """
+    started = time.perf_counter()
     log = log or (lambda _msg: None)
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
@@ -49,12 +56,20 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
     dev = resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokenizer = load_eval_tokenizer(model_path)
-    model = load_model(model_path, dev, dtype, len(tokenizer))
-
     prefix = default_prefix_ids(tokenizer)
     prompts = [render_prompt(tokenizer, ex.prompt, cfg.template, ex.history) for ex in examples]
     prompt_ids = [encode_prompt(tokenizer, p, prefix) for p in prompts]
-    eos_ids = sorted({eos_id(tokenizer), *_model_eos_ids(model)})
+    max_positions = max(len(p) for p in prompt_ids) + max_new_tokens
+
+    source = resolve_model(model_path, len(tokenizer), max_positions)
+    params = num_params(source.config)
+    chosen, why = choose_mode(mode, source, params, dev, dtype, batch_size, max_positions)
+    log(f"eval: {chosen} ({why})")
+    t0 = time.perf_counter()
+    model = (load_resident if chosen == "resident" else load_streamed)(source, dev, dtype)
+    load_s = time.perf_counter() - t0
+
+    eos_ids = sorted({eos_id(tokenizer), *model_eos_ids(source)})
     stop = stop_strings(tokenizer, cfg.template)
     log(f"eval: {len(examples)} {split} examples of {cfg.source} on {dev.type} ({dtype}), batch {batch_size}")
     generations, seconds = generate_greedy(
@@ -82,11 +97,19 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
         "template": "chat" if uses_chat_template(tokenizer, cfg.template) else "plain",
         "test_fraction": cfg.test_fraction, "split_seed": cfg.split_seed, "device": dev.type,
         "dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
+        "mode": chosen, "params": params, "load_s": load_s,
         "predictions": str(out / PREDICTIONS_FILE),
     }
+    if chosen == "streamed":
+        # Weights copied to the device (0 on CPU, where nothing moves) over the generation time: the
+        # host link's rate is the ceiling of this, and streamed decoding sits near it.
+        results.update(forward_steps=model.steps, streamed_gb=model.bytes_sent / 1e9,
+                       streamed_gb_per_s=model.bytes_sent / 1e9 / seconds if seconds > 0 else 0.0)
+    results["wall_s"] = time.perf_counter() - started  # everything: data, load, generation, scoring
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
     log(f"eval: accuracy {results['accuracy']:.4f} ({correct}/{len(examples)}), {unparseable} unparseable, "
-        f"{results['tokens_per_s']:.1f} generated tokens/s; wrote {out / RESULTS_FILE} and {out / PREDICTIONS_FILE}")
+        f"{results['tokens_per_s']:.1f} generated tokens/s {chosen}, {results['wall_s']:.1f} s in all; "
+        f"wrote {out / RESULTS_FILE} and {out / PREDICTIONS_FILE}")
     return results
 
 
@@ -127,24 +150,3 @@ def load_eval_tokenizer(model_path: str):
     if has_tokenizer_files(model_path):
         return load_tokenizer_dir(model_path)
     return load_bundled_tokenizer()
-
-
-def load_model(model_path: str, device: torch.device, dtype: torch.dtype, tokenizer_size: int):
-    from transformers import AutoModelForCausalLM
-
-    if not (Path(model_path) / "config.json").is_file():
-        raise ValueError(f"no config.json in {model_path}: not a Hugging Face model directory")
-    model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True, dtype=dtype)
-    vocab = model.get_input_embeddings().num_embeddings
-    if vocab < tokenizer_size:
-        raise ValueError(f"{model_path}: the model has {vocab} token embeddings but its tokenizer "
-                         f"{tokenizer_size} tokens; they do not belong together")
-    return model.to(device).eval()
-
-
-def _model_eos_ids(model) -> list[int]:
-    """The model's own end tokens (instruct models often end turns with a token besides eos)."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if ids is None:
-        return []
-    return [ids] if isinstance(ids, int) else list(ids)
