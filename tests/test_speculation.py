@@ -111,8 +111,9 @@ def test_a_clipped_step_is_corrected_to_the_exact_update(tied):
 
 def test_speculation_stops_once_the_running_norm_exceeds_the_threshold():
     spec, res = train(1e-3, overlap=True)  # every step heavily clipped
-    for r in res:
-        assert r.speculation["speculated"] <= 1, "the first tile alone is over the threshold"
+    assert res[0].speculation["speculated"] <= 1, "the first tile alone is over the threshold"
+    for r in res[1:]:
+        assert r.speculation["speculated"] == 0, "no speculation right after a clipped step"
     plain, _ = train(1e-3, overlap=False)
     for name, tile in plain.tiles.items():
         torch.testing.assert_close(spec.tiles[name].master, tile.master, rtol=1e-6, atol=2e-9)
@@ -162,3 +163,19 @@ def test_clipped_steps_are_deterministic_whatever_the_thread_timing():
     for store in runs[1:]:
         for name, tile in runs[0].tiles.items():
             assert torch.equal(store.tiles[name].master, tile.master), name
+
+
+def test_speculation_resumes_after_an_unclipped_verdict():
+    store = make_store()
+    for tile in store.tiles.values():
+        tile.grad.normal_(0, 1e-3)
+    order = ["embed", *store.layer_names, "head"]
+    worker = OptimizerWorker(HostAdamW(TrainConfig(lr=1e-3)), store, forward_order=order, max_grad_norm=1.0)
+    spoken = []
+    for clip in (0.5, 1.0, 1.0):  # clipped, then unclipped twice
+        worker.begin_step(1e-3)
+        for name in reversed(order):
+            worker.landed(name, 1e-6)
+        spoken.append(worker.resolve(clip, finite=True)["speculated"])
+    worker.close()
+    assert spoken == [len(order), 0, len(order)]
