@@ -248,9 +248,10 @@ def format_table(results: list[BenchResult]) -> str:
                      f"{r.model_tflops:9.1f} {r.executed_tflops:8.1f} {f(r.h2d_gbps, '9.1f'):>9} "
                      f"{f(r.d2h_gbps, '9.1f'):>9} {f(r.overlap, '8.1%'):>8} {r.peak_device_bytes / 2**30:8.1f} "
                      f"{r.host_rss_bytes / 2**30:8.1f} {r.bytes_per_param:8.1f}")
-    if len(results) > 1:
-        base = results[-1]
-        for r in results[:-1]:
+    if len(results) > 1:  # ours against each baseline
+        ours = results[0]
+        for base in results[1:]:
+            r = ours
             if base.tokens_per_s > 0:
                 lines.append(f"{r.name} / {base.name}: {r.tokens_per_s / base.tokens_per_s:.2f}x tokens/s")
             else:

@@ -74,7 +74,8 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           checkpoint_interval: int = typer.Option(4, help="Layers per recompute block."),
           layer_slots: int = typer.Option(2, help="Device weight buffers for layers (>= 2)."),
           max_gpu_mem: Optional[str] = typer.Option(None, help="Device-memory budget, e.g. 24GiB."),
-          baseline: Optional[str] = typer.Option(None, help="Also run: native | deepspeed."),
+          baseline: Optional[str] = typer.Option(None, help="Also run: native, deepspeed, or both "
+                                                 "(native,deepspeed)."),
           keep_activations: str = typer.Option("auto", help="Last blocks keeping their activations (no "
                                                "recompute): auto (fill the device budget) or N."),
           max_grad_norm: float = typer.Option(1.0, help="Clipping threshold (<= 0: no clipping)."),
@@ -84,6 +85,9 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           no_overlap_optimizer: bool = typer.Option(False, help="Ablation: optimizer after the step, not "
                                                     "pipelined into the next forward."),
           device: str = typer.Option("cuda", help="cuda or cpu."),
+          long_context: str = typer.Option("auto", help="Long-context path (tiled MLP, checkpoint offload): on, "
+                                           "off, or auto (batch 1, no accumulation, seq >= 32k)."),
+          sdpa: str = typer.Option("auto", help="Long-context SDPA backends: auto (cudnn, flash, efficient), or one."),
           dashboard: str = typer.Option("auto", help="Live view: auto, rich, plain or off."),
           frame: Optional[Path] = typer.Option(None, help="Write the last step's dashboard frame (text) here."),
           as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
@@ -99,8 +103,9 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         _fail(f"unknown model preset '{model}' (known: {', '.join(PRESETS)})")
     if device == "cuda" and not torch.cuda.is_available():
         _fail("bench needs a CUDA GPU (use --device cpu for a functional run on a small preset)")
-    if baseline not in (None, "native", "deepspeed"):
-        _fail(f"unknown baseline '{baseline}' (native | deepspeed)")
+    baselines = [x.strip() for x in baseline.split(",")] if baseline else []
+    if any(x not in ("native", "deepspeed") for x in baselines):
+        _fail(f"unknown baseline '{baseline}' (native, deepspeed, or native,deepspeed)")
     budget = None
     if keep_activations != "auto" and not keep_activations.isdigit():
         _fail(f"--keep-activations: expected auto or a number, got {keep_activations!r}")
@@ -113,8 +118,21 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
     if dashboard not in MODES:
         _fail(f"--dashboard: one of {', '.join(MODES)}, got {dashboard!r}")
     seq_len = b.parse_tokens(seq)
+    if long_context == "on" or (long_context == "auto" and batch == 1 and grad_accum == 1 and seq_len >= 32768):
+        from megatrain_cli.bench_long import bench_long_context
+
+        res = bench_long_context(model, seq_len, steps=steps, warmup=0, device_budget=budget, device=device,
+                                 sdpa=sdpa, batch=batch, layer_slots=layer_slots,
+                                 double_buffer=not no_double_buffer, overlap_optimizer=not no_overlap_optimizer,
+                                 speculate=not no_speculation,
+                                 max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
+                                 log=lambda m: typer.echo(m, err=True))
+        typer.echo(b.to_json([res]) if as_json else f"{b.format_table([res])}\nnotes: {res.notes}")
+        if output:
+            output.write_text(b.to_json([res]))
+        raise typer.Exit(0 if res.tokens_per_s > 0 else 3)
     ds_result = None
-    if baseline == "deepspeed":
+    if "deepspeed" in baselines:
         # First, in a watched child process: DeepSpeed gets the host memory to itself (ours is not
         # allocated yet) and returns all of it when it exits (or is killed for memory).
         from megatrain_cli.baselines.deepspeed_bench import bench_deepspeed
@@ -129,7 +147,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
             keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
             max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device,
             log=lambda m: typer.echo(m, err=True), dashboard=dash, frame_path=str(frame) if frame else None)]
-    if baseline == "native":
+    if "native" in baselines:
         results.append(b.bench_native(model, batch * grad_accum, seq_len, steps,
                                       log=lambda m: typer.echo(m, err=True)))
     if ds_result is not None:

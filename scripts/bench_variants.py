@@ -5,7 +5,7 @@
         --variant default: --variant nospec:speculate=False --variant keep0:keep_activations=0 --native
 
 A variant is NAME:key=value,key=value with bench_engine's keyword arguments (ints, floats, True/False,
-None or strings). Prints one table at the end; writes every result as JSON to --out.
+None or strings), plus batch= and seq= to change the shape (the store does not depend on it). Prints one table at the end; writes every result as JSON to --out.
 """
 
 from __future__ import annotations
@@ -60,8 +60,9 @@ def main() -> int:
         name, kwargs = parse_variant(text)
         print(f"=== variant {name}: {kwargs}", flush=True)
         frame = f"{args.frame_dir}/{args.model}-{name}.txt" if args.frame_dir else None
+        batch_v, seq_v = kwargs.pop("batch", args.batch), b.parse_tokens(kwargs.pop("seq", seq))
         try:
-            r = b.bench_engine(args.model, args.batch, seq, args.steps, store=store, log=log, frame_path=frame,
+            r = b.bench_engine(args.model, batch_v, seq_v, args.steps, store=store, log=log, frame_path=frame,
                                **kwargs)
         except torch.cuda.OutOfMemoryError as err:
             print(f"variant {name}: CUDA out of memory: {str(err).splitlines()[0]}", flush=True)

@@ -105,8 +105,10 @@ def test_device_holds_at_most_two_layers_of_weights():
     peak8, layer_bytes, slots = _peak_step_bytes(8)
     peak24, _, _ = _peak_step_bytes(24)
     assert slots == 2
-    # Depth-independent: 16 more layers (16 x layer_bytes of weights) add nothing to the peak.
-    assert abs(peak24 - peak8) < layer_bytes, (peak8, peak24, layer_bytes)
+    # Depth-independent: 16 more layers (16 x layer_bytes of weights) add nothing to the peak. The
+    # slack is one fp32 layer gradient (2 x layer_bytes) that may or may not still be on the D2H
+    # stream at the peak, depending on timing (seen on the H200: 8 layers 47.9 MB, 24 layers 32.2 MB).
+    assert abs(peak24 - peak8) < 3 * layer_bytes, (peak8, peak24, layer_bytes)
     # What is there: 2 weight slots, one layer's gradient in flight (fp32 accumulator = 2 layers' worth,
     # its bf16 cast and autograd's per-parameter grads = 1 each, the previous layer's still on the D2H
     # stream), small activations; far below the 24 layers a resident model would need.

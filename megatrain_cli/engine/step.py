@@ -6,14 +6,17 @@ transfers.py. This file only walks the schedule and keeps the per-micro-batch te
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from megatrain_cli.engine.long_context import CheckpointOffloader, LongContextPlan
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
+from megatrain_cli.engine.tiling import SDPA_BACKENDS, sdpa_backend_context, slim_norms, tile_mlp
 from megatrain_cli.engine.transfers import GradSink, WeightStreamer
 from megatrain_cli.optim.cpu_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
@@ -21,6 +24,9 @@ from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.tiles import HostStore
 
 IGNORE_INDEX = -100
+# Long-context path: the largest block-causal mask (bool elements) a packed micro-batch may build, 4 GiB
+# (one 64K-token row); longer packed rows are refused with what to change instead of running out of memory.
+MAX_LONG_CONTEXT_MASK = 2**32
 
 
 @dataclass
@@ -57,12 +63,29 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 class Engine:
-    """Drives plain HF layer modules over a host store, one streamed layer at a time."""
+    """Drives plain HF layer modules over a host store, one streamed layer at a time.
+
+    `long_context` (a LongContextPlan, issue #9) switches on the long-sequence path: every layer
+    template runs its MLP tiled over plan.mlp_tile_tokens tokens, the RMSNorms keep 4 bytes per row when
+    plan.lean_norms, the head's loss chunk is the plan's, and the activation checkpoints go through a
+    CheckpointOffloader (plan.offload_keys live in host memory between forward and backward; each is
+    brought back one block ahead of its recompute). `sdpa` restricts SDPA's backends on CUDA
+    (tiling.sdpa_backend_context) for the op loop: 'auto' = cuDNN/flash/efficient, never MATH, and is
+    applied only with a long-context plan; an explicit backend name applies either way. Without a plan
+    and with sdpa='auto' the engine is exactly the short-context one.
+    """
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
                  checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
-                 double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True):
+                 double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
+                 long_context: LongContextPlan | None = None, sdpa: str = "auto"):
+        if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
+            raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
+                             f"the engine was given {checkpoint_interval}: pass "
+                             f"checkpoint_interval=plan.checkpoint_interval (its memory terms assume it)")
+        if sdpa not in SDPA_BACKENDS:
+            raise ValueError(f"unknown SDPA backend {sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
         self.store, self.train_cfg, self.device = store, train, device
         self.adapter = store.adapter
         self.dtype = store.compute_dtype
@@ -93,6 +116,45 @@ class Engine:
         self.streamer.on_bind = self.redirect.bind
         self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks)
         self.keep_blocks = keep_blocks
+        self.long_context, self.sdpa = long_context, sdpa
+        self.offloader: CheckpointOffloader | None = None
+        if long_context is not None:
+            self._install_long_context(long_context)
+
+    def _install_long_context(self, plan: LongContextPlan) -> None:
+        if plan.mlp_tile_tokens:
+            for template in self.templates.all():
+                tile_mlp(template, plan.mlp_tile_tokens)
+        if plan.lean_norms:
+            for template in self.templates.all():
+                slim_norms(template)
+            slim_norms(self.norm_template)
+        self.chunk = plan.loss_chunk_tokens  # the plan's head term assumes its chunk
+        self.offloader = CheckpointOffloader(self.device, frozenset(plan.offload_keys))
+        # The blocks in the order the backward recomputes them: each get() prefetches the next one.
+        self._recompute_order = list(dict.fromkeys(op.block for op in self.ops if op.kind == "recompute"))
+        self._first_recompute = self._recompute_order[0] if self._recompute_order else None
+        self._next_recompute = dict(zip(self._recompute_order, self._recompute_order[1:]))
+
+    def reserve_checkpoint_buffers(self, micro_batch_shapes: list[tuple[int, int]]) -> int:
+        """Pin the offloaded checkpoints' host buffers before the first step (micro-batch [B, T] shapes of
+        the steps to come); returns the bytes pinned. Without a long-context plan, or on CPU: 0."""
+        if self.offloader is None:
+            return 0
+        like = [((b, t, self.adapter.hidden_size), self.dtype) for b, t in micro_batch_shapes]
+        return sum(self.offloader.reserve(block, like) for block in self._recompute_order)
+
+    def _check_mask_size(self, pos: torch.Tensor) -> None:
+        b, t = pos.shape
+        if b * t * t > MAX_LONG_CONTEXT_MASK and bool((pos[:, 1:] == 0).any()):
+            raise ValueError(f"packed rows (positions restart inside a row) of {t} tokens need a [T, T] block-causal "
+                             f"mask ({b * t * t / 2**30:.0f} GiB) and keep SDPA off flash/cuDNN: at long context "
+                             f"train one document per row (data.packing=false)")
+
+    def _sdpa_context(self):
+        if self.device.type != "cuda" or (self.long_context is None and self.sdpa == "auto"):
+            return contextlib.nullcontext()
+        return sdpa_backend_context(self.sdpa, self.device)
 
     # ------------------------------------------------------------ helpers
     def _weights(self, tile: str, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
@@ -144,6 +206,8 @@ class Engine:
 
     def close(self) -> None:
         self.synchronize()
+        if self.offloader is not None:
+            self.offloader.clear()
         for part in (self.worker, self.streamer, self.sink):
             if part is not None and hasattr(part, "close"):
                 part.close()
@@ -171,6 +235,8 @@ class Engine:
             start += b * t
             pos = mb.position_ids if mb.position_ids is not None else torch.arange(t).expand(b, t)
             pos = pos.to(dev)
+            if self.long_context is not None:
+                self._check_mask_size(pos)
             ctx.append((self.rotary(h[-1], pos), block_causal_mask(pos), pos))
             shifted = torch.full_like(mb.labels, IGNORE_INDEX)
             shifted[:, :-1] = mb.labels[:, 1:]
@@ -184,35 +250,49 @@ class Engine:
         grads_out: list[torch.Tensor] = []
         losses: list[float] = []
 
+        off = self.offloader
+        if off is not None:
+            off.forget()  # anything a failed step left behind
         t0 = time.perf_counter()
-        for op in self.ops:
-            if op.kind == "forward":
-                if op.checkpoint:
-                    checkpoints[op.block] = list(h)
-                flat = self.streamer.acquire(op.tile)
-                if op.grad:
+        with self._sdpa_context():
+            for op in self.ops:
+                if op.kind == "forward":
+                    if op.checkpoint:
+                        if off is None:
+                            checkpoints[op.block] = list(h)
+                        elif op.block not in self.keep_blocks:  # a kept block is never recomputed
+                            off.put(op.block, list(h))
+                    flat = self.streamer.acquire(op.tile)
+                    if op.grad:
+                        h = self._record_layer(op.layer, flat, h, ctx, graphs)
+                    else:
+                        with torch.no_grad():
+                            w = self._weights(op.tile, flat, grad=False)
+                            h = [self._layer(op.layer, w, x, c) for x, c in zip(h, ctx)]
+                elif op.kind == "head":
+                    times["forward"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                    if off is not None and self._first_recompute is not None:
+                        off.prefetch(self._first_recompute)  # comes back while the head computes
+                    grads_out, losses, head_grad = self._head(h, labels, norm_scale, sq_norm)
+                    h = []
+                    times["head"] = time.perf_counter() - t0
+                    t0 = time.perf_counter()
+                elif op.kind == "recompute":
+                    if op.layer == blocks(self.adapter.num_layers, self.interval)[op.block].start:
+                        if off is None:
+                            h = checkpoints.pop(op.block)
+                        else:
+                            h = off.get(op.block)
+                            if op.block in self._next_recompute:  # one block ahead, behind this one's compute
+                                off.prefetch(self._next_recompute[op.block])
+                    flat = self.streamer.acquire(op.tile)
                     h = self._record_layer(op.layer, flat, h, ctx, graphs)
-                else:
-                    with torch.no_grad():
-                        w = self._weights(op.tile, flat, grad=False)
-                        h = [self._layer(op.layer, w, x, c) for x, c in zip(h, ctx)]
-            elif op.kind == "head":
-                times["forward"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-                grads_out, losses, head_grad = self._head(h, labels, norm_scale, sq_norm)
-                h = []
-                times["head"] = time.perf_counter() - t0
-                t0 = time.perf_counter()
-            elif op.kind == "recompute":
-                if op.layer == blocks(self.adapter.num_layers, self.interval)[op.block].start:
-                    h = checkpoints.pop(op.block)
-                flat = self.streamer.acquire(op.tile)
-                h = self._record_layer(op.layer, flat, h, ctx, graphs)
-            elif op.kind == "backward":
-                flat = self.streamer.acquire(op.tile)
-                grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
-            elif op.kind == "embed_backward":
-                self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
+                elif op.kind == "backward":
+                    flat = self.streamer.acquire(op.tile)
+                    grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
+                elif op.kind == "embed_backward":
+                    self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
         self.sink.finish()
         times["backward"] = time.perf_counter() - t0
 

@@ -14,7 +14,7 @@ resident when backward runs. So backward may stream a layer in again into any bu
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +41,11 @@ class TemplatePool:
 
     def size(self) -> int:
         return sum(len(p) for p in self._pools.values())
+
+    def all(self) -> Iterator[nn.Module]:
+        """Every template of the pool (to install a change on all of them, e.g. tiling.tile_mlp)."""
+        for pool in self._pools.values():
+            yield from pool
 
 
 def run_bound(template: nn.Module, weights: dict[str, torch.Tensor], *args: Any, **kwargs: Any) -> Any:
