@@ -27,7 +27,7 @@ def snapshot(store):
     return {n: (t.master.clone(), t.exp_avg.clone(), t.exp_avg_sq.clone(), t.step) for n, t in store.tiles.items()}
 
 
-def train(max_grad_norm, *, overlap, speculate=True, steps=STEPS, tied=False):
+def train(max_grad_norm, *, overlap, speculate=True, steps=STEPS, tied=False, first_step_speculates=True):
     config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=4)
     store = build_store(config, torch.float32, seed=3)
     cfg = TrainConfig(steps=steps, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=1,
@@ -35,6 +35,8 @@ def train(max_grad_norm, *, overlap, speculate=True, steps=STEPS, tied=False):
     batches = random_batches(config.vocab_size, steps, ACCUM, batch=2, seq=16, seed=5)
     engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
                     overlap_optimizer=overlap, speculate=speculate)
+    if overlap and first_step_speculates:
+        engine.worker.last_clipped = False  # as if the step before had not been clipped
     results = [engine.step(mbs, lr_at(s, cfg, steps)) for s, mbs in enumerate(batches)]
     engine.close()
     return store, results
@@ -126,7 +128,8 @@ def test_a_skipped_step_leaves_no_speculative_update_behind():
     before = snapshot(store)
     opt = HostAdamW(TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6))
     order = ["embed", *store.layer_names, "head"]
-    worker = OptimizerWorker(opt, store, forward_order=order, max_grad_norm=None, speculate=True)
+    worker = OptimizerWorker(opt, store, forward_order=order, max_grad_norm=None, speculate=True,
+                             assume_clipped=False)
     worker.begin_step(1e-3)
     for name in reversed(order):
         worker.landed(name, float(store.tiles[name].grad.square().sum()))
@@ -149,7 +152,7 @@ def test_a_non_finite_tile_is_never_speculated():
         tile.grad.normal_(0, 1e-3)
     opt = HostAdamW(TrainConfig(lr=1e-3))
     worker = OptimizerWorker(opt, store, forward_order=["embed", *store.layer_names, "head"],
-                             max_grad_norm=None, speculate=True)
+                             max_grad_norm=None, speculate=True, assume_clipped=False)
     worker.begin_step(1e-3)
     worker.landed("head", math.inf)
     worker.landed("layers.3", 1.0)  # after a non-finite tile, nothing more is speculated either
@@ -170,7 +173,8 @@ def test_speculation_resumes_after_an_unclipped_verdict():
     for tile in store.tiles.values():
         tile.grad.normal_(0, 1e-3)
     order = ["embed", *store.layer_names, "head"]
-    worker = OptimizerWorker(HostAdamW(TrainConfig(lr=1e-3)), store, forward_order=order, max_grad_norm=1.0)
+    worker = OptimizerWorker(HostAdamW(TrainConfig(lr=1e-3)), store, forward_order=order, max_grad_norm=1.0,
+                             assume_clipped=False)
     spoken = []
     for clip in (0.5, 1.0, 1.0):  # clipped, then unclipped twice
         worker.begin_step(1e-3)
@@ -179,3 +183,9 @@ def test_speculation_resumes_after_an_unclipped_verdict():
         spoken.append(worker.resolve(clip, finite=True)["speculated"])
     worker.close()
     assert spoken == [len(order), 0, len(order)]
+
+
+def test_the_first_step_does_not_speculate_by_default():
+    _, res = train(1e9, overlap=True, first_step_speculates=False)
+    assert res[0].speculation["speculated"] == 0
+    assert all(r.speculation["speculated"] > 0 for r in res[1:])
