@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megatrain_cli.engine.plan import kept_block_ids, make_plan, resolve_keep_blocks
+from megatrain_cli.engine.plan import kept_block_ids, make_plan, preflight, resolve_keep_blocks
 from megatrain_cli.engine.schedule import blocks
 from megatrain_cli.engine.step import Engine, MicroBatch
 from megatrain_cli.metrics import host_rss_bytes, model_flops
+from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
@@ -45,6 +46,10 @@ def peak_rss_bytes() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+class DoesNotFit(RuntimeError):
+    """The memory plan does not fit the machine (raised before anything big is allocated)."""
 
 
 @dataclass
@@ -89,21 +94,27 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     p = PRESETS[preset]
     config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
     dev = torch.device(device)
-    t0 = time.perf_counter()
-    if store is None:
-        store = build_store(config, torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=0)
-    log(f"[bench] host store ready: {store.num_params() / 1e9:.2f} B params, "
-        f"{store.host_bytes() / 2**30:.1f} GiB, init {time.perf_counter() - t0:.1f} s")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = TrainConfig(steps=steps + warmup, lr=1e-5, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
                       micro_batch_size=batch, seq_len=seq)
     if device_budget is None and dev.type == "cuda":
         device_budget = torch.cuda.get_device_properties(dev).total_memory
-    plan_args = dict(adapter=store.adapter, compute_dtype=store.compute_dtype, micro_batch_size=batch, seq_len=seq,
+    # The plan first, from the shape alone: a run that cannot fit is refused before the host store
+    # (up to 14 bytes per parameter) is allocated.
+    plan_args = dict(adapter=ModelAdapter(config), compute_dtype=dtype, micro_batch_size=batch, seq_len=seq,
                      grad_accum=grad_accum, checkpoint_interval=checkpoint_interval, grad_slabs=grad_slabs,
                      layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens, device_type=dev.type)
     keep = resolve_keep_blocks(keep_activations, device_budget, **plan_args)
     plan = make_plan(**plan_args, keep_blocks=keep)
     log(plan.render())
+    problems = [] if store is not None else preflight(plan, device=dev, device_budget=device_budget)
+    if problems:
+        raise DoesNotFit("the bench would not fit:\n  " + "\n  ".join(problems))
+    t0 = time.perf_counter()
+    if store is None:
+        store = build_store(config, dtype, seed=0)
+    log(f"[bench] host store ready: {store.num_params() / 1e9:.2f} B params, "
+        f"{store.host_bytes() / 2**30:.1f} GiB, init {time.perf_counter() - t0:.1f} s")
     n_blocks = len(blocks(config.num_hidden_layers, checkpoint_interval))
     engine = Engine(store, cfg, device=dev, checkpoint_interval=checkpoint_interval,
                     loss_chunk_tokens=loss_chunk_tokens, layer_slots=layer_slots, grad_slabs=grad_slabs,

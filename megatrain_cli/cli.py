@@ -139,14 +139,17 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
 
         ds_result = bench_deepspeed(model, batch * grad_accum, seq_len, steps, log=lambda m: typer.echo(m, err=True),
                                     timeout_s=540)
-    with Dashboard(dashboard, total_steps=steps + 1, title=f"megatrain bench {model}") as dash:
-        results = [b.bench_engine(
-            model, batch, seq_len, steps, grad_accum=grad_accum, checkpoint_interval=checkpoint_interval,
-            layer_slots=layer_slots, double_buffer=not no_double_buffer,
-            overlap_optimizer=not no_overlap_optimizer, speculate=not no_speculation, device_budget=budget,
-            keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
-            max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device,
-            log=lambda m: typer.echo(m, err=True), dashboard=dash, frame_path=str(frame) if frame else None)]
+    try:
+        with Dashboard(dashboard, total_steps=steps + 1, title=f"megatrain bench {model}") as dash:
+            results = [b.bench_engine(
+                model, batch, seq_len, steps, grad_accum=grad_accum, checkpoint_interval=checkpoint_interval,
+                layer_slots=layer_slots, double_buffer=not no_double_buffer,
+                overlap_optimizer=not no_overlap_optimizer, speculate=not no_speculation, device_budget=budget,
+                keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
+                max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device,
+                log=lambda m: typer.echo(m, err=True), dashboard=dash, frame_path=str(frame) if frame else None)]
+    except b.DoesNotFit as err:
+        _fail(f"{err}\n(the plan above has each term; --max-gpu-mem sets the device budget)", 3)
     if "native" in baselines:
         results.append(b.bench_native(model, batch * grad_accum, seq_len, steps,
                                       log=lambda m: typer.echo(m, err=True)))

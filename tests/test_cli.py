@@ -133,6 +133,14 @@ def test_bench_cuda_without_gpu_fails_clearly():
     assert "Traceback" not in p.stderr
 
 
+def test_bench_that_does_not_fit_is_refused_before_allocating():
+    # 72B x 14 bytes/param of host state: the plan is refused with its numbers, nothing is allocated.
+    p = megatrain("bench", "--model", "72b", "--device", "cpu", "--steps", "1", "--dashboard", "off")
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert "would not fit" in p.stderr and "host memory" in p.stderr and "GiB" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
 def test_bench_unknown_preset():
     p = megatrain("bench", "--model", "9b", "--device", "cpu")
     assert p.returncode == 2

@@ -254,45 +254,52 @@ class Engine:
         if off is not None:
             off.forget()  # anything a failed step left behind
         t0 = time.perf_counter()
-        with self._sdpa_context():
-            for op in self.ops:
-                if op.kind == "forward":
-                    if op.checkpoint:
-                        if off is None:
-                            checkpoints[op.block] = list(h)
-                        elif op.block not in self.keep_blocks:  # a kept block is never recomputed
-                            off.put(op.block, list(h))
-                    flat = self.streamer.acquire(op.tile)
-                    if op.grad:
-                        h = self._record_layer(op.layer, flat, h, ctx, graphs)
-                    else:
-                        with torch.no_grad():
-                            w = self._weights(op.tile, flat, grad=False)
-                            h = [self._layer(op.layer, w, x, c) for x, c in zip(h, ctx)]
-                elif op.kind == "head":
-                    times["forward"] = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                    if off is not None and self._first_recompute is not None:
-                        off.prefetch(self._first_recompute)  # comes back while the head computes
-                    grads_out, losses, head_grad = self._head(h, labels, norm_scale, sq_norm)
-                    h = []
-                    times["head"] = time.perf_counter() - t0
-                    t0 = time.perf_counter()
-                elif op.kind == "recompute":
-                    if op.layer == blocks(self.adapter.num_layers, self.interval)[op.block].start:
-                        if off is None:
-                            h = checkpoints.pop(op.block)
+        op = None
+        try:
+            with self._sdpa_context():
+                for op in self.ops:
+                    if op.kind == "forward":
+                        if op.checkpoint:
+                            if off is None:
+                                checkpoints[op.block] = list(h)
+                            elif op.block not in self.keep_blocks:  # a kept block is never recomputed
+                                off.put(op.block, list(h))
+                        flat = self.streamer.acquire(op.tile)
+                        if op.grad:
+                            h = self._record_layer(op.layer, flat, h, ctx, graphs)
                         else:
-                            h = off.get(op.block)
-                            if op.block in self._next_recompute:  # one block ahead, behind this one's compute
-                                off.prefetch(self._next_recompute[op.block])
-                    flat = self.streamer.acquire(op.tile)
-                    h = self._record_layer(op.layer, flat, h, ctx, graphs)
-                elif op.kind == "backward":
-                    flat = self.streamer.acquire(op.tile)
-                    grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
-                elif op.kind == "embed_backward":
-                    self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
+                            with torch.no_grad():
+                                w = self._weights(op.tile, flat, grad=False)
+                                h = [self._layer(op.layer, w, x, c) for x, c in zip(h, ctx)]
+                    elif op.kind == "head":
+                        times["forward"] = time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                        if off is not None and self._first_recompute is not None:
+                            off.prefetch(self._first_recompute)  # comes back while the head computes
+                        grads_out, losses, head_grad = self._head(h, labels, norm_scale, sq_norm)
+                        h = []
+                        times["head"] = time.perf_counter() - t0
+                        t0 = time.perf_counter()
+                    elif op.kind == "recompute":
+                        if op.layer == blocks(self.adapter.num_layers, self.interval)[op.block].start:
+                            if off is None:
+                                h = checkpoints.pop(op.block)
+                            else:
+                                h = off.get(op.block)
+                                if op.block in self._next_recompute:  # one block ahead, behind this one's compute
+                                    off.prefetch(self._next_recompute[op.block])
+                        flat = self.streamer.acquire(op.tile)
+                        h = self._record_layer(op.layer, flat, h, ctx, graphs)
+                    elif op.kind == "backward":
+                        flat = self.streamer.acquire(op.tile)
+                        grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
+                    elif op.kind == "embed_backward":
+                        self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
+        except torch.cuda.OutOfMemoryError as err:
+            # Say where: the trainer's message turns the phase into what to change.
+            where = f"layer {op.layer}" if op is not None and op.layer >= 0 else "head / embedding"
+            err.add_note(f"megatrain phase: {op.kind if op else 'inputs'} ({where})")
+            raise
         self.sink.finish()
         times["backward"] = time.perf_counter() - t0
 
