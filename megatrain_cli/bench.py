@@ -164,7 +164,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     h2d = sum(r.h2d_bytes for r in results) / wall / 1e9
     d2h = sum(r.d2h_bytes for r in results) / wall / 1e9
     split = {k: round(sum(r.times.get(k, 0.0) for r in results) / steps, 3)
-             for k in ("forward", "head", "backward", "optimizer")}
+             for k in ("forward", "head", "backward", "optimizer", "wait_optimizer")}
     split["gpu_stall_on_weights"] = round(stall / steps, 3)
     peak_dev = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     result = BenchResult(

@@ -49,6 +49,7 @@ def step_metrics(res, *, engine, step: int, total: int, lr: float, skipped: int,
         overlap=(1.0 - stall / step_time) if cuda else None,
         time_forward_s=res.times.get("forward"), time_backward_s=res.times.get("backward"),
         time_optimizer_s=res.times.get("optimizer"), time_wait_weights_s=stall,
+        time_wait_optimizer_s=res.times.get("wait_optimizer"),
         gpu_mem_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
         host_rss_bytes=host_rss_bytes(), pinned_bytes=engine.streamer.pinned_bytes() + engine.sink.pinned_bytes(),
         skipped_steps=skipped, eta_s=eta)

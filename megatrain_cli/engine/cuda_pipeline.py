@@ -73,8 +73,19 @@ class CudaStreamer(WeightStreamer):
         self._stalls = []
 
     def stall_seconds(self) -> float:
-        """GPU time the compute stream sat waiting for weights this step (call after a sync)."""
+        """GPU time the compute stream sat idle waiting for weights this step, whether the copy was late
+        or the host had not issued it yet (packer behind, optimizer still updating the tile), plus the
+        waits wrapped in idle_while. Not counted: short host syncs (the loss value per chunk, the
+        gradient norm) and slab back-pressure. Call after a sync."""
         return sum(b.elapsed_time(a) for b, a in self._stalls) / 1e3
+
+    def idle_while(self, wait) -> None:
+        """Run a host-side wait (`wait()`), counting the compute stream's idle time it causes as stall."""
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(self.compute)
+        wait()
+        after.record(self.compute)
+        self._stalls.append((before, after))
 
     # ------------------------------------------------------------ transfers (packer thread)
     def _transfer(self, tile: str, slot: _DeviceSlot) -> None:
@@ -129,13 +140,15 @@ class CudaStreamer(WeightStreamer):
             self._lru.append(slot)
         if slot.tile != tile:
             self._start(tile, slot)
+        # `before` goes in ahead of the host-side wait: if the packer is late (e.g. held back by the
+        # optimizer), the compute stream runs dry and the gap shows up between the two events.
+        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        before.record(self.compute)
         if slot.pending is not None:
             t0 = time.perf_counter()
             slot.pending.result()  # the packer has enqueued every chunk of this tile
             self.wait_s += time.perf_counter() - t0
             slot.pending = None
-        before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        before.record(self.compute)
         self.compute.wait_event(slot.ready)  # Weights-Ready, GPU-side
         after.record(self.compute)
         self._stalls.append((before, after))

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatrain_cli.engine import kernel_patch
 from megatrain_cli.engine.long_context import CheckpointOffloader, LongContextPlan
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
@@ -73,19 +74,28 @@ class Engine:
     (tiling.sdpa_backend_context) for the op loop: 'auto' = cuDNN/flash/efficient, never MATH, and is
     applied only with a long-context plan; an explicit backend name applies either way. Without a plan
     and with sdpa='auto' the engine is exactly the short-context one.
+
+    `kernels` (issue #8): 'triton' routes every layer template's and the final-norm template's RMSNorms,
+    the SiLU MLPs' act(gate) * up and the attention's RoPE through megatrain_cli.kernels
+    (kernel_patch.install_kernels, after the long-context pieces: a tiled MLP keeps its eager activation,
+    a lean norm becomes the kernel's, which saves the same bytes), and the head uses the fused linear +
+    cross-entropy. 'torch' is the plain HF/PyTorch path; 'auto' = 'triton' on CUDA, 'torch' elsewhere
+    (kernel_patch.resolve). A kernel whose Triton path fails falls back to its PyTorch reference with
+    one warning (the registry in megatrain_cli.kernels).
     """
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
                  checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
                  double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
-                 long_context: LongContextPlan | None = None, sdpa: str = "auto"):
+                 long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch"):
         if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
             raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
                              f"the engine was given {checkpoint_interval}: pass "
                              f"checkpoint_interval=plan.checkpoint_interval (its memory terms assume it)")
         if sdpa not in SDPA_BACKENDS:
             raise ValueError(f"unknown SDPA backend {sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
+        self.kernels = kernel_patch.resolve(kernels, device)  # 'torch' or 'triton'
         self.store, self.train_cfg, self.device = store, train, device
         self.adapter = store.adapter
         self.dtype = store.compute_dtype
@@ -120,6 +130,11 @@ class Engine:
         self.offloader: CheckpointOffloader | None = None
         if long_context is not None:
             self._install_long_context(long_context)
+        self._fused_ce = None
+        if self.kernels == "triton":  # after the long-context pieces: see kernel_patch's precedence
+            for template in (*self.templates.all(), self.norm_template):
+                kernel_patch.install_kernels(template)
+            self._fused_ce = kernel_patch.fused_cross_entropy()
 
     def _install_long_context(self, plan: LongContextPlan) -> None:
         if plan.mlp_tile_tokens:
@@ -220,8 +235,9 @@ class Engine:
 
         # Per micro-batch inputs. Embedding rows are gathered on the host (only the unique tokens of
         # the step cross PCIe, never the whole table); labels are shifted once here.
+        waited_before = self.worker.waited_s if self.worker is not None else 0.0
         if self.worker is not None:
-            self.worker.wait("embed")
+            self.streamer.idle_while(lambda: self.worker.wait("embed"))
         ids_all = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
         uniq, inverse = torch.unique(ids_all, return_inverse=True)
         rows = self.store.tiles["embed"].master.view(-1, H)[uniq].to(dev, self.dtype)
@@ -302,6 +318,8 @@ class Engine:
             raise
         self.sink.finish()
         times["backward"] = time.perf_counter() - t0
+        if self.worker is not None:  # packer and training thread, blocked until host AdamW had a tile done
+            times["wait_optimizer"] = self.worker.waited_s - waited_before
 
         # The one host sync of the step: the global gradient norm.
         grad_norm = float(sq_norm.sqrt())
@@ -360,22 +378,10 @@ class Engine:
                 normed = run_bound(self.norm_template, norm_w, x)
             flat_n = normed.detach().reshape(-1, normed.shape[-1])
             flat_l = lab.reshape(-1)
-            d_normed = torch.zeros_like(flat_n)
-            loss_sum = 0.0
-            for lo in range(0, flat_n.shape[0], self.chunk):
-                hi = min(lo + self.chunk, flat_n.shape[0])
-                if not bool((flat_l[lo:hi] != IGNORE_INDEX).any()):
-                    continue
-                n_c = flat_n[lo:hi].detach().requires_grad_()
-                w_c = lm_w.detach().requires_grad_()
-                with torch.enable_grad():
-                    logits = n_c @ w_c.t()
-                    l_sum = torch.nn.functional.cross_entropy(logits.float(), flat_l[lo:hi],
-                                                              ignore_index=IGNORE_INDEX, reduction="sum")
-                gn, gw = torch.autograd.grad(l_sum * norm_scale, [n_c, w_c])
-                d_normed[lo:hi] = gn
-                lm_grad.add_(gw)
-                loss_sum += float(l_sum.detach())
+            if self._fused_ce is not None:
+                d_normed, loss_sum = self._fused_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale)
+            else:
+                d_normed, loss_sum = self._chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale)
             n_tok = int((flat_l != IGNORE_INDEX).sum())
             out = torch.autograd.grad(normed, [x, *norm_w.values()], d_normed.view_as(normed))
             grads_out.append(out[0])
@@ -394,6 +400,34 @@ class Engine:
         sq_norm.add_(sq)
         self.sink.send("head", head_acc, sq)
         return grads_out, losses, lm_grad
+
+    def _chunked_loss(self, flat_n, flat_l, lm_w, lm_grad, norm_scale) -> tuple[torch.Tensor, float]:
+        """The PyTorch head loss: per token chunk a matmul, cross-entropy on fp32 logits and autograd;
+        adds the LM-head gradient to lm_grad; returns (d loss*norm_scale / d flat_n, unscaled loss sum)."""
+        d_normed = torch.zeros_like(flat_n)
+        loss_sum = 0.0
+        for lo in range(0, flat_n.shape[0], self.chunk):
+            hi = min(lo + self.chunk, flat_n.shape[0])
+            if not bool((flat_l[lo:hi] != IGNORE_INDEX).any()):
+                continue
+            n_c = flat_n[lo:hi].detach().requires_grad_()
+            w_c = lm_w.detach().requires_grad_()
+            with torch.enable_grad():
+                logits = n_c @ w_c.t()
+                l_sum = torch.nn.functional.cross_entropy(logits.float(), flat_l[lo:hi],
+                                                          ignore_index=IGNORE_INDEX, reduction="sum")
+            gn, gw = torch.autograd.grad(l_sum * norm_scale, [n_c, w_c])
+            d_normed[lo:hi] = gn
+            lm_grad.add_(gw)
+            loss_sum += float(l_sum.detach())
+        return d_normed, loss_sum
+
+    def _fused_loss(self, flat_n, flat_l, lm_w, lm_grad, norm_scale) -> tuple[torch.Tensor, float]:
+        """The same through kernels.fused_linear_cross_entropy: no autograd, one [chunk, V] logits buffer
+        that becomes its own gradient, the LM-head gradient accumulated in lm_grad (fp32) in place."""
+        loss, d_normed, _ = self._fused_ce(flat_n, lm_w, flat_l.to(torch.int64), ignore_index=IGNORE_INDEX,
+                                           chunk_tokens=self.chunk, scale=norm_scale, grad_weight=lm_grad)
+        return d_normed, float(loss) / norm_scale  # the kernel's loss is scaled; the engine reports sums
 
     def _embed_backward(self, grads_out, uniq, inv_dev, offsets, tied_grad, sq_norm) -> None:
         H = self.adapter.hidden_size

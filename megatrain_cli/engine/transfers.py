@@ -100,6 +100,10 @@ class WeightStreamer:
             if s is not None:
                 s.tile = None
 
+    def idle_while(self, wait) -> None:
+        """A host-side wait; on the synchronous path there is no device stream to account it to."""
+        wait()
+
     def _copy_in(self, tile: str, dst: torch.Tensor) -> None:
         if self.before_read is not None:
             self.before_read(tile)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 
 from megatrain_cli.optim.cpu_adamw import HostAdamW
@@ -73,6 +74,7 @@ class OptimizerWorker:
         self._steps = 0
         self._seq = 0
         self._closed = False
+        self.waited_s = 0.0  # host seconds any thread spent blocked in wait(): the optimizer behind the GPU
         # The previous verdict: clipped or skipped. Before any verdict, assume clipped: the first steps
         # of a run are the likeliest to clip, and a one-step bench would otherwise time a correction.
         self.last_clipped = assume_clipped
@@ -102,7 +104,11 @@ class OptimizerWorker:
 
     def wait(self, tile: str) -> None:
         """Block until `tile` holds its updated weights (a host-side wait, only when AdamW is behind)."""
-        self._done[tile].wait()
+        if not self._done[tile].is_set():
+            t0 = time.perf_counter()
+            self._done[tile].wait()
+            with self._cv:
+                self.waited_s += time.perf_counter() - t0
         if self._error is not None:
             raise RuntimeError("host AdamW failed") from self._error
 
