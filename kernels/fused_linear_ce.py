@@ -65,21 +65,33 @@ def _plan_chunks(labels: torch.Tensor, vocab: int, ignore_index: int, chunk_toke
     return stats[1:]
 
 
-def _outputs(hidden, weight):
+def _check_grad_weight(weight, grad_weight) -> None:
+    if grad_weight is not None and (grad_weight.shape != weight.shape or grad_weight.dtype != torch.float32
+                                    or grad_weight.device != weight.device):
+        raise ValueError(f"fused_linear_cross_entropy: grad_weight must be fp32 {tuple(weight.shape)} on "
+                         f"{weight.device}, got {grad_weight.dtype} {tuple(grad_weight.shape)} on "
+                         f"{grad_weight.device}")
+
+
+def _outputs(hidden, weight, grad_weight=None):
     N, H = hidden.shape
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.zeros(N, H, dtype=hidden.dtype, device=hidden.device)
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+    if grad_weight is None:
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
     return loss, grad_hidden, grad_weight
 
 
 # --- reference ---------------------------------------------------------------------------------------------
 
-def _reference_chunked(hidden, weight, labels, counted_per_chunk, ignore_index, chunk_tokens, scale):
-    loss, grad_hidden, grad_weight = _outputs(hidden, weight)
+def _reference_chunked(hidden, weight, labels, counted_per_chunk, ignore_index, chunk_tokens, scale,
+                       outputs=None, first_chunk: int = 0):
+    """The chunk loop in plain PyTorch. `outputs` (loss, grad_hidden, grad_weight) are added to in place when
+    given; chunks before `first_chunk` are skipped (the Triton path finished them before it failed)."""
+    loss, grad_hidden, grad_weight = outputs if outputs is not None else _outputs(hidden, weight)
     w = weight.detach().requires_grad_()
-    for (start, end), counted in zip(_chunks(hidden.shape[0], chunk_tokens), counted_per_chunk):
-        if not counted:
+    for index, ((start, end), counted) in enumerate(zip(_chunks(hidden.shape[0], chunk_tokens), counted_per_chunk)):
+        if index < first_chunk or not counted:
             continue
         h = hidden[start:end].detach().requires_grad_()
         with torch.enable_grad():
@@ -94,12 +106,14 @@ def _reference_chunked(hidden, weight, labels, counted_per_chunk, ignore_index, 
 
 
 def fused_linear_cross_entropy_reference(hidden, weight, labels, *, ignore_index: int = -100,
-                                         chunk_tokens: int = 4096, scale: float = 1.0):
+                                         chunk_tokens: int = 4096, scale: float = 1.0, grad_weight=None):
     """Plain PyTorch, same contract as `fused_linear_cross_entropy`: per chunk a matmul,
     F.cross_entropy(reduction='sum') on fp32 logits, and autograd for the two gradients."""
     _check_inputs(hidden, weight, labels, chunk_tokens)
+    _check_grad_weight(weight, grad_weight)
     counted = _plan_chunks(labels, weight.shape[0], ignore_index, chunk_tokens)
-    return _reference_chunked(hidden, weight, labels, counted, ignore_index, chunk_tokens, scale)
+    return _reference_chunked(hidden, weight, labels, counted, ignore_index, chunk_tokens, scale,
+                              _outputs(hidden, weight, grad_weight))
 
 
 # --- Triton ------------------------------------------------------------------------------------------------
@@ -168,43 +182,54 @@ def _accumulate_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> No
     acc.add_(a @ b)
 
 
-def _fused_triton(hidden, weight, labels, counted_per_chunk, ignore_index, chunk_tokens, scale):
-    loss, grad_hidden, grad_weight = _outputs(hidden, weight)
+def _fused_triton(hidden, weight, labels, counted_per_chunk, ignore_index, chunk_tokens, scale, outputs,
+                  progress: list[int]):
+    """The chunk loop with the Triton softmax kernel, adding into `outputs`. progress[0] counts the chunks
+    whose every contribution is in `outputs`: if a kernel fails mid-loop, the reference resumes from there
+    (a caller's grad_weight accumulator already holds the finished chunks: redoing them would count twice)."""
+    loss, grad_hidden, grad_weight = outputs
     N, V = hidden.shape[0], weight.shape[0]
     if not any(counted_per_chunk):
-        return loss, grad_hidden, grad_weight
+        return outputs
     rows = min(chunk_tokens, N)
     logits_buffer = torch.empty(rows, V, dtype=hidden.dtype, device=hidden.device)
     row_loss_buffer = torch.empty(rows, dtype=torch.float32, device=hidden.device)
     labels = labels.contiguous()
-    for (start, end), counted in zip(_chunks(N, chunk_tokens), counted_per_chunk):
-        if not counted:
-            continue  # grad_hidden rows stay zero, nothing to add to grad_weight
-        h, logits, row_loss = hidden[start:end], logits_buffer[: end - start], row_loss_buffer[: end - start]
-        torch.mm(h, weight.t(), out=logits)
-        _softmax_minus_onehot_(logits, labels[start:end], row_loss, ignore_index, scale)
-        loss += row_loss.sum()
-        torch.mm(logits, weight, out=grad_hidden[start:end])
-        _accumulate_fp32_(grad_weight, logits.t(), h)
-    return loss * scale, grad_hidden, grad_weight
+    for index, ((start, end), counted) in enumerate(zip(_chunks(N, chunk_tokens), counted_per_chunk)):
+        if counted:  # else grad_hidden rows stay zero, nothing to add to grad_weight
+            h, logits, row_loss = hidden[start:end], logits_buffer[: end - start], row_loss_buffer[: end - start]
+            torch.mm(h, weight.t(), out=logits)
+            _softmax_minus_onehot_(logits, labels[start:end], row_loss, ignore_index, scale)
+            torch.mm(logits, weight, out=grad_hidden[start:end])
+            _accumulate_fp32_(grad_weight, logits.t(), h)
+            loss.add_(row_loss.sum(), alpha=scale)
+        progress[0] = index + 1
+    return outputs
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                               ignore_index: int = -100, chunk_tokens: int = 4096, scale: float = 1.0
+                               ignore_index: int = -100, chunk_tokens: int = 4096, scale: float = 1.0,
+                               grad_weight: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """loss = scale * sum of CE(hidden @ weight.T, labels) over tokens whose label != ignore_index, and its
     gradients, for hidden [N, H], weight [V, H] (same dtype), labels int64 [N]. No autograd graph is made.
 
     Returns (loss: 0-dim fp32, grad_hidden: [N, H] in hidden's dtype, grad_weight: [V, H] fp32).
+    `grad_weight`, when given (fp32 [V, H]), is the accumulator: the weight gradient is ADDED to it in place
+    and it is what comes back, so several calls (micro-batches) share one [V, H] fp32 buffer, not one each.
     Triton where it applies (see kernels/), else the reference; same results within rounding.
     """
     _check_inputs(hidden, weight, labels, chunk_tokens)
+    _check_grad_weight(weight, grad_weight)
     counted = _plan_chunks(labels, weight.shape[0], ignore_index, chunk_tokens)
     args = (hidden.detach(), weight.detach(), labels, counted, ignore_index, chunk_tokens, float(scale))
+    outputs = _outputs(hidden, weight, grad_weight)
     if wants_triton(KIND, hidden, weight, labels):
+        progress = [0]
         with torch.no_grad():
-            return run_with_fallback(KIND, lambda: _fused_triton(*args), lambda: _reference_chunked(*args))
-    return _reference_chunked(*args)
+            return run_with_fallback(KIND, lambda: _fused_triton(*args, outputs, progress),
+                                     lambda: _reference_chunked(*args, outputs, progress[0]))
+    return _reference_chunked(*args, outputs)
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):

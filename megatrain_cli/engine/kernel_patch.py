@@ -1,0 +1,241 @@
+"""Put the Triton kernels (megatrain_cli.kernels) into the engine's HF layer templates (issue #8).
+
+Same pattern as tiling.py: a template is a meta-device HF module, and a kernel goes in by replacing one
+submodule's `forward` (an instance attribute, so only that template changes) with a function that reads
+the weights from the module *at call time*: `functional_call` has bound the streamed device views into
+those attributes by then, so the bound views reach the kernels' autograd Functions, and their
+`save_for_backward` goes through the engine's `WeightRedirect` hooks like any other saved weight.
+
+What is swapped (`install_kernels(template, kinds)`):
+
+  rms_norm  every plain RMSNorm (input/post-attention norms, Qwen3's q_norm/k_norm on head_dim, and the
+            final-norm template itself) -> kernels.rms_norm(x, self.weight, self.variance_epsilon).
+  swiglu    the MLP's act(gate(x)) * up(x) -> kernels.swiglu(gate(x), up(x)), only when the activation is
+            SiLU (config.hidden_act 'silu'/'swish'); the projections stay HF's nn.Linear.
+  rope      the attention's apply_rotary_pos_emb(q, k, cos, sin) -> kernels.apply_rope. HF's attention
+            forward calls the function of its modeling module by its global name; rather than copy that
+            forward, the module's global is replaced (once, process-wide) by a dispatcher that calls the
+            original unless a context variable says "this call comes from a kernel-patched template", and
+            the template's attention forward becomes: set that variable, run HF's own forward, reset it.
+            Any other model of the same architecture in the process (the eval path, a reference model in
+            a test) gets HF's function exactly as before. Installed only where the forward really calls
+            the global by that name (checked on its code object), otherwise left out.
+
+The fused LM head + cross-entropy is not a module swap: Engine._head calls it (step.py).
+
+Precedence with the long-context pieces of tiling.py (the engine installs those first, then these):
+  - tile_mlp wins over swiglu: a tiled MLP (long context) is left alone, its per-tile activation stays
+    eager. The tiled MLP's saving is memory ([T, intermediate] never exists), which matters more there
+    than the elementwise time; putting swiglu inside TiledMLP's tiles would need a change to tiling.py.
+  - rms_norm replaces slim_norms' LeanRMSNorm: the kernel's autograd Function saves exactly what the lean
+    norm saves (x, the weight by reference, one fp32 1/rms per row), with no fp32 temporaries at all in
+    forward (the lean norm's are one 16K-row chunk) and one [programs, H] fp32 partial in backward. Where
+    the kernel cannot run (Triton missing, or it failed and the registry fell back), a norm that was lean
+    stays lean (LeanRMSNorm), never HF's 8-bytes-per-element autograd graph.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import inspect
+import sys
+import types
+import warnings
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+from megatrain_cli.engine import tiling
+
+LAYER_KINDS = ("rms_norm", "swiglu", "rope")  # what install_kernels can put into a template
+KERNEL_CHOICES = ("auto", "torch", "triton")  # Engine(kernels=...), the recipe's engine.kernels
+
+_SILU_ACTS = ("silu", "swish")
+_ROPE_NAME = "apply_rotary_pos_emb"
+
+
+def resolve(choice: str, device: torch.device) -> str:
+    """'auto'/'torch'/'triton' -> 'torch' or 'triton' for this device.
+
+    'auto' is Triton on CUDA and PyTorch elsewhere. An explicit 'triton' off CUDA runs the kernels only
+    under Triton's interpreter (TRITON_INTERPRET=1, tests); otherwise it warns and takes the PyTorch path.
+    """
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernels choice {choice!r}; one of {', '.join(KERNEL_CHOICES)}")
+    on_cuda = torch.device(device).type == "cuda"
+    if choice == "auto":
+        return "triton" if on_cuda else "torch"
+    if choice == "triton" and not on_cuda:
+        from megatrain_cli import kernels
+
+        if not kernels.interpreting():
+            warnings.warn(f"kernels='triton' needs a CUDA device (or TRITON_INTERPRET=1); on {device} the "
+                          f"engine uses the PyTorch path", RuntimeWarning, stacklevel=3)
+            return "torch"
+    return choice
+
+
+def _kernel(kind: str) -> Callable:
+    from megatrain_cli import kernels
+
+    return kernels.load(kind)
+
+
+def fused_cross_entropy() -> Callable:
+    """kernels.fused_linear_cross_entropy (Triton where it applies, the reference otherwise)."""
+    return _kernel("fused_linear_cross_entropy")
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+
+def _is_plain_rmsnorm(module: nn.Module) -> bool:
+    return type(module).__name__ in tiling._PLAIN_RMSNORMS and hasattr(module, "variance_epsilon")
+
+
+def _is_lean(module: nn.Module) -> bool:
+    forward = module.__dict__.get("forward")
+    return getattr(forward, "__func__", None) is tiling._lean_norm_forward
+
+
+def _kernel_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if self.megatrain_lean:
+        from megatrain_cli import kernels
+
+        if not kernels.wants_triton("rms_norm", x, self.weight):  # the kernel's public function would run
+            return tiling.LeanRMSNorm.apply(x, self.weight, self.variance_epsilon)  # HF's graph: stay lean
+    return self.megatrain_rms_norm(x, self.weight, self.variance_epsilon)
+
+
+# ---------------------------------------------------------------------------------------------- SwiGLU
+
+def _is_silu_mlp(mlp: nn.Module) -> bool:
+    if not all(hasattr(mlp, part) for part in ("gate_proj", "up_proj", "down_proj", "act_fn")):
+        return False
+    act = getattr(getattr(mlp, "config", None), "hidden_act", None)
+    is_silu_module = isinstance(mlp.act_fn, nn.SiLU) or type(mlp.act_fn).__name__ == "SiLUActivation"
+    return act in _SILU_ACTS and is_silu_module
+
+
+def _swiglu_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return self.down_proj(self.megatrain_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+# The apply_rope the current (patched) attention forward wants, or None: HF's own function runs.
+_ACTIVE_ROPE: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("megatrain_rope", default=None)
+
+
+def _rope_dispatcher(original: Callable) -> Callable:
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        rope = _ACTIVE_ROPE.get()
+        # Only HF's plain call (4-D q/k, cos/sin per position) goes to the kernel; anything else is HF's.
+        if rope is None or args or kwargs or q.dim() != 4 or k.dim() != 4 or cos.dim() != 3:
+            return original(q, k, cos, sin, *args, **kwargs)
+        return rope(q, k, cos, sin)
+
+    apply_rotary_pos_emb.megatrain_original = original
+    return apply_rotary_pos_emb
+
+
+def _rope_module(attn: nn.Module):
+    """The modeling module whose global apply_rotary_pos_emb HF's attention forward calls, or None."""
+    forward = inspect.unwrap(type(attn).forward)  # past deprecate_kwarg & co
+    if _ROPE_NAME not in getattr(getattr(forward, "__code__", None), "co_names", ()):
+        return None
+    module = sys.modules.get(forward.__module__)
+    if module is None or forward.__globals__ is not vars(module) or not callable(getattr(module, _ROPE_NAME, None)):
+        return None
+    return module
+
+
+def _install_rope_dispatcher(module) -> None:
+    current = getattr(module, _ROPE_NAME)
+    if not hasattr(current, "megatrain_original"):  # once per modeling module
+        setattr(module, _ROPE_NAME, _rope_dispatcher(current))
+
+
+def _rope_attention_forward(self: nn.Module, *args, **kwargs):
+    token = _ACTIVE_ROPE.set(self.megatrain_rope)
+    try:
+        return type(self).forward(self, *args, **kwargs)
+    finally:
+        _ACTIVE_ROPE.reset(token)
+
+
+# ---------------------------------------------------------------------------------------------- install
+
+def _replace_forward(module: nn.Module, forward: Callable) -> None:
+    if "megatrain_kernel_previous" not in module.__dict__:  # keep what was there first (lean, or nothing)
+        module.megatrain_kernel_previous = module.__dict__.get("forward")
+    module.forward = types.MethodType(forward, module)
+
+
+def install_kernels(template: nn.Module, kinds: Iterable[str] = LAYER_KINDS) -> dict[str, int]:
+    """Route `template`'s (a decoder layer's, or the final-norm template's) RMSNorms, SwiGLU and RoPE
+    through the kernels named in `kinds`; returns how many modules each kind went into (0 where it does
+    not apply: no MLP in a norm template, a non-SiLU activation, a tiled MLP, a forward without RoPE).
+    Idempotent. Nothing is allocated: the templates are on the meta device and the weights read at call time.
+    """
+    kinds = set(kinds)
+    unknown = kinds - set(LAYER_KINDS)
+    if unknown:
+        raise ValueError(f"unknown layer kernels {sorted(unknown)}; known: {', '.join(LAYER_KINDS)}")
+    counts = {kind: 0 for kind in LAYER_KINDS}
+    if "rms_norm" in kinds:
+        rms_norm = _kernel("rms_norm")
+        for module in template.modules():
+            if _is_plain_rmsnorm(module):
+                if _is_lean(module):  # slim_norms ran (before us, or after an earlier install): stay lean
+                    module.megatrain_lean = True
+                    module.megatrain_kernel_previous = module.__dict__["forward"]
+                elif "megatrain_lean" not in module.__dict__:
+                    module.megatrain_lean = False
+                module.megatrain_rms_norm = rms_norm
+                _replace_forward(module, _kernel_norm_forward)
+                counts["rms_norm"] += 1
+    mlp = getattr(template, "mlp", None)
+    if "swiglu" in kinds and mlp is not None and _is_silu_mlp(mlp) and tiling.mlp_tile_tokens(template) is None:
+        mlp.megatrain_swiglu = _kernel("swiglu")
+        _replace_forward(mlp, _swiglu_mlp_forward)
+        counts["swiglu"] += 1
+    attn = getattr(template, "self_attn", None)
+    if "rope" in kinds and attn is not None:
+        module = _rope_module(attn)
+        if module is not None:
+            _install_rope_dispatcher(module)
+            attn.megatrain_rope = _kernel("rope")
+            _replace_forward(attn, _rope_attention_forward)
+            counts["rope"] += 1
+    return counts
+
+
+def uninstall_kernels(template: nn.Module) -> None:
+    """Undo install_kernels on `template` (whatever forward each module had before comes back)."""
+    for module in template.modules():
+        if "megatrain_kernel_previous" not in module.__dict__:
+            continue
+        previous = module.__dict__.pop("megatrain_kernel_previous")
+        if previous is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = previous
+        for name in ("megatrain_lean", "megatrain_rms_norm", "megatrain_swiglu", "megatrain_rope"):
+            module.__dict__.pop(name, None)
+
+
+def installed_kernels(template: nn.Module) -> dict[str, int]:
+    """What install_kernels put into `template` and is still there (tests, logging)."""
+    counts = {kind: 0 for kind in LAYER_KINDS}
+    for module in template.modules():
+        func = getattr(module.__dict__.get("forward"), "__func__", None)
+        if func is _kernel_norm_forward:
+            counts["rms_norm"] += 1
+        elif func is _swiglu_mlp_forward:
+            counts["swiglu"] += 1
+        elif func is _rope_attention_forward:
+            counts["rope"] += 1
+    return counts
