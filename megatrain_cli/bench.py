@@ -86,7 +86,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                  overlap_optimizer: bool = True, speculate: bool = True, keep_activations: int | str = "auto",
                  device_budget: int | None = None, grad_slabs: int = 12, loss_chunk_tokens: int = 8192,
                  max_grad_norm: float | None = 1.0, device: str = "cuda", warmup: int = 1, log=print,
-                 dashboard=None, frame_path: str | None = None, store=None, optimizer: bool = True) -> BenchResult:
+                 dashboard=None, frame_path: str | None = None, store=None, optimizer: bool = True,
+                 kernels: str = "auto") -> BenchResult:
     """Warm-up + timed steps of the engine. `dashboard` (a Dashboard) gets every step's metrics;
     `frame_path` receives the rendered text of the last step's rich frame; `store` reuses a host
     store built earlier (same preset), so several variants share one initialisation. `optimizer=False`
@@ -119,7 +120,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     engine = Engine(store, cfg, device=dev, checkpoint_interval=checkpoint_interval,
                     loss_chunk_tokens=loss_chunk_tokens, layer_slots=layer_slots, grad_slabs=grad_slabs,
                     double_buffer=double_buffer, overlap_optimizer=overlap_optimizer and optimizer, speculate=speculate,
-                    keep_blocks=kept_block_ids(n_blocks, keep))
+                    keep_blocks=kept_block_ids(n_blocks, keep), kernels=kernels)
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     results, losses, stall = [], [], 0.0
@@ -175,7 +176,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
         bytes_per_param=store.host_bytes() / store.num_params(), h2d_gbps=h2d, d2h_gbps=d2h,
         overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=losses,
         notes=("NO OPTIMIZER (forward + backward only) " if not optimizer else "") +
-              f"checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
+              f"kernels={engine.kernels} checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
               f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} speculate={speculate} "
               f"max_grad_norm={max_grad_norm} predicted_peak_GiB={plan.device_total / 2**30:.1f} "
               f"speculated={sum(r.speculation.get('speculated', 0) for r in results)} "

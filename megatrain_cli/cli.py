@@ -88,6 +88,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           long_context: str = typer.Option("auto", help="Long-context path (tiled MLP, checkpoint offload): on, "
                                            "off, or auto (batch 1, no accumulation, seq >= 32k)."),
           sdpa: str = typer.Option("auto", help="Long-context SDPA backends: auto (cudnn, flash, efficient), or one."),
+          kernels: str = typer.Option("auto", help="auto (Triton on CUDA), triton or torch (ablation)."),
           dashboard: str = typer.Option("auto", help="Live view: auto, rich, plain or off."),
           frame: Optional[Path] = typer.Option(None, help="Write the last step's dashboard frame (text) here."),
           as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
@@ -103,6 +104,8 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         _fail(f"unknown model preset '{model}' (known: {', '.join(PRESETS)})")
     if device == "cuda" and not torch.cuda.is_available():
         _fail("bench needs a CUDA GPU (use --device cpu for a functional run on a small preset)")
+    if kernels not in ("auto", "torch", "triton"):
+        _fail(f"--kernels: auto, torch or triton, got {kernels!r}")
     baselines = [x.strip() for x in baseline.split(",")] if baseline else []
     if any(x not in ("native", "deepspeed") for x in baselines):
         _fail(f"unknown baseline '{baseline}' (native, deepspeed, or native,deepspeed)")
@@ -124,7 +127,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         res = bench_long_context(model, seq_len, steps=steps, warmup=0, device_budget=budget, device=device,
                                  sdpa=sdpa, batch=batch, layer_slots=layer_slots,
                                  double_buffer=not no_double_buffer, overlap_optimizer=not no_overlap_optimizer,
-                                 speculate=not no_speculation,
+                                 speculate=not no_speculation, kernels=kernels,
                                  max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
                                  log=lambda m: typer.echo(m, err=True))
         typer.echo(b.to_json([res]) if as_json else f"{b.format_table([res])}\nnotes: {res.notes}")
@@ -146,7 +149,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                 layer_slots=layer_slots, double_buffer=not no_double_buffer,
                 overlap_optimizer=not no_overlap_optimizer, speculate=not no_speculation, device_budget=budget,
                 keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
-                max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device,
+                max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device, kernels=kernels,
                 log=lambda m: typer.echo(m, err=True), dashboard=dash, frame_path=str(frame) if frame else None)]
     except b.DoesNotFit as err:
         _fail(f"{err}\n(the plan above has each term; --max-gpu-mem sets the device budget)", 3)
