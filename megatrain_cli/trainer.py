@@ -25,6 +25,19 @@ class TrainingError(RuntimeError):
         self.code = code
 
 
+def out_of_memory_message(err: BaseException) -> str:
+    """CUDA OOM: where it happened (the engine's note) and what to change for that phase."""
+    phase = next((n.removeprefix("megatrain phase: ") for n in getattr(err, "__notes__", [])
+                  if n.startswith("megatrain phase: ")), "unknown")
+    if phase.startswith("head"):
+        advice = "a smaller engine.loss_chunk_tokens (the LM head's logits are computed in chunks of that many tokens)"
+    else:
+        advice = ("a smaller train.micro_batch_size or train.seq_len, a smaller engine.checkpoint_interval, or "
+                  "engine.keep_activations=0 (activations kept instead of recomputed)")
+    return (f"CUDA out of memory during {phase} ({str(err).splitlines()[0]}). Use {advice}; "
+            f"`megatrain train RECIPE --dry-run` shows the memory plan. The last checkpoint is intact.")
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise TrainingError("engine.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')", 2)
@@ -60,7 +73,10 @@ def device_budget(r: Recipe, device: torch.device) -> int | None:
     return None
 
 
-def build_plan(r: Recipe, config, device: torch.device):
+def build_plan(r: Recipe, config, device: torch.device, long_ctx=None):
+    """The memory plan. With a long-context plan its host figures stand, its device figures are the
+    short-context engine's (the long-context plan's replace them): interval and loss chunk are the long
+    plan's, and no block keeps its activations."""
     from megatrain_cli.engine.plan import make_plan, resolve_keep_blocks
     from megatrain_cli.models.adapter import ModelAdapter
 
@@ -68,6 +84,12 @@ def build_plan(r: Recipe, config, device: torch.device):
                 micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, grad_accum=r.train.grad_accum,
                 checkpoint_interval=r.engine.checkpoint_interval, grad_slabs=r.engine.grad_slabs,
                 loss_chunk_tokens=r.engine.loss_chunk_tokens, device_type=device.type)
+    if long_ctx is not None:
+        args.update(checkpoint_interval=long_ctx.checkpoint_interval, loss_chunk_tokens=long_ctx.loss_chunk_tokens)
+        plan = make_plan(**args, keep_blocks=0)
+        plan.notes.append("long-context path: the device figures above are the short-context engine's; the "
+                          "long-context plan replaces them")
+        return plan
     keep = resolve_keep_blocks(r.engine.keep_activations, device_budget(r, device), **args)
     plan = make_plan(**args, keep_blocks=keep)
     if r.engine.keep_activations == "auto" and device_budget(r, device) is None and device.type == "cuda":
@@ -75,23 +97,76 @@ def build_plan(r: Recipe, config, device: torch.device):
     return plan
 
 
-def run_training(r: Recipe, *, dry_run: bool = False, force: bool = False) -> int:
+def check_packed_rows(r: Recipe) -> None:
+    """Packed rows on the long-context path: the engine builds a [B, 1, T, T] block-causal mask for them
+    and refuses one over MAX_LONG_CONTEXT_MASK elements (one 65536-token row) at the first step; refuse
+    the recipe before anything is built instead (exit 2)."""
+    from megatrain_cli.engine.step import MAX_LONG_CONTEXT_MASK
+
+    b, t = r.train.micro_batch_size, r.train.seq_len
+    if r.data.packing and b * t * t > MAX_LONG_CONTEXT_MASK:
+        rows = f"{b} packed rows" if b > 1 else "a packed row"
+        fix = "data.packing=false (one document per row)" + (", or a smaller train.micro_batch_size"
+                                                             if t * t <= MAX_LONG_CONTEXT_MASK else "")
+        raise TrainingError(f"data.packing with train.seq_len={t}: {rows} of {t} tokens need a block-causal mask of "
+                            f"{b * t * t / 2**30:.0f} GiB and keep SDPA off flash/cuDNN; the long-context path "
+                            f"takes at most {MAX_LONG_CONTEXT_MASK // 2**30} GiB "
+                            f"({int(MAX_LONG_CONTEXT_MASK ** 0.5)} tokens in one row). Use {fix}", 2)
+
+
+def long_context_plan(r: Recipe, config, device: torch.device, *, min_seq_len: int | None = None):
+    """The long-context plan (engine/long_context.py) when train.seq_len >= `min_seq_len` (default
+    LONG_CONTEXT_MIN_SEQ), else None: the short-context engine. Planned before the host store exists,
+    so the host budget for offloaded checkpoints already leaves the store's bytes out."""
+    from megatrain_cli.engine.long_context import LONG_CONTEXT_MIN_SEQ, plan_for_training
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.store.tiles import HostStore
+
+    min_seq_len = LONG_CONTEXT_MIN_SEQ if min_seq_len is None else min_seq_len
+    if r.train.seq_len < min_seq_len:
+        return None
+    check_packed_rows(r)
+    adapter, dtype = ModelAdapter(config), DTYPES[r.model.dtype]
+    return plan_for_training(adapter, seq_len=r.train.seq_len, micro_batch_size=r.train.micro_batch_size,
+                             grad_accum=r.train.grad_accum, dtype=dtype, device_type=device.type,
+                             device_budget=device_budget(r, device), grad_slabs=r.engine.grad_slabs,
+                             loss_chunk_tokens=r.engine.loss_chunk_tokens,
+                             store_bytes_to_come=HostStore(adapter, dtype, allocate=False).host_bytes(),
+                             min_seq_len=min_seq_len)
+
+
+def path_line(r: Recipe, long_ctx, min_seq_len: int | None = None) -> str:
+    """Which engine path the run takes, in one line."""
+    from megatrain_cli.engine.long_context import LONG_CONTEXT_MIN_SEQ
+
+    threshold = LONG_CONTEXT_MIN_SEQ if min_seq_len is None else min_seq_len
+    if long_ctx is None:
+        return (f"path: short-context engine (train.seq_len {r.train.seq_len} < {threshold}; checkpoint interval "
+                f"{r.engine.checkpoint_interval})")
+    mlp = f"MLP tiled by {long_ctx.mlp_tile_tokens}" if long_ctx.mlp_tile_tokens else "MLP untiled"
+    return (f"path: long-context engine (train.seq_len {r.train.seq_len} >= {threshold}): checkpoint interval "
+            f"{long_ctx.checkpoint_interval}, {mlp}, {long_ctx.offloaded_checkpoints} of {long_ctx.num_checkpoints} "
+            f"checkpoints offloaded to host memory, no kept activations")
+
+
+def run_training(r: Recipe, *, dry_run: bool = False, force: bool = False,
+                 long_context_min_seq: int | None = None) -> int:
+    """`long_context_min_seq`: train.seq_len from which the long-context path is taken (None:
+    LONG_CONTEXT_MIN_SEQ, 32768); tests lower it to run that path at a length a CPU trains quickly."""
     try:
-        return _train(r, dry_run=dry_run, force=force)
+        return _train(r, dry_run=dry_run, force=force, long_context_min_seq=long_context_min_seq)
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.code
     except torch.cuda.OutOfMemoryError as err:
-        print(f"error: CUDA out of memory ({str(err).splitlines()[0]}). Use a smaller train.micro_batch_size or "
-              f"train.seq_len, a smaller engine.checkpoint_interval, or engine.loss_chunk_tokens; "
-              f"`megatrain train RECIPE --dry-run` shows the plan.", file=sys.stderr)
+        print(f"error: {out_of_memory_message(err)}", file=sys.stderr)
         return 1
     except ValueError as err:  # bad data, missing model path, unsupported architecture, bad checkpoint
         print(f"error: {err}", file=sys.stderr)
         return 2
 
 
-def _train(r: Recipe, *, dry_run: bool, force: bool) -> int:
+def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int | None = None) -> int:
     from megatrain_cli.models.tokenizer import load_tokenizer
 
     if r.model.path is not None and not Path(r.model.path).is_dir():
@@ -100,23 +175,41 @@ def _train(r: Recipe, *, dry_run: bool, force: bool) -> int:
     config = model_config(r, tokenizer)
     # A dry run plans for the recipe's device even on a machine without it.
     planned = torch.device("cuda") if r.engine.device == "cuda" and dry_run else resolve_device(r.engine.device)
-    plan = build_plan(r, config, planned)
     device = planned
+    long_ctx = long_context_plan(r, config, device, min_seq_len=long_context_min_seq)
+    plan = build_plan(r, config, planned, long_ctx)
     if dry_run:
         print("# resolved recipe")
         print(render_yaml(r))
         print(plan.render())
+        print(path_line(r, long_ctx, long_context_min_seq))
+        if long_ctx is not None:
+            print(long_ctx.render())
+            if not long_ctx.fits:
+                from megatrain_cli.engine.long_context import refusal
+
+                print(f"would not fit: {refusal(long_ctx)} (--force runs it anyway)")
         return 0
     from megatrain_cli.engine.plan import preflight
 
-    problems = preflight(plan, device=device, device_budget=device_budget(r, device))
+    if long_ctx is None:
+        problems = preflight(plan, device=device, device_budget=device_budget(r, device))
+    else:
+        from megatrain_cli.engine.long_context import refusal
+
+        # The host checks only: the long-context plan's device peak replaces the generic device estimate.
+        problems = preflight(plan, device=torch.device("cpu"))
+        if not long_ctx.fits:
+            problems.append(f"long context: {refusal(long_ctx)}. Use a shorter train.seq_len, a smaller "
+                            f"train.micro_batch_size or train.grad_accum, or a larger engine.max_gpu_mem; "
+                            f"`megatrain train RECIPE --dry-run` shows the plan.")
     if problems and not force:
         raise TrainingError("the run would not fit:\n  " + "\n  ".join(problems) +
                             "\n(--force runs it anyway)", 3)
-    return _loop(r, device, tokenizer, config, plan)
+    return _loop(r, device, tokenizer, config, plan, long_ctx)
 
 
-def _loop(r: Recipe, device, tokenizer, config, plan) -> int:
+def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
     from megatrain_cli.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.data import build_train_data, load_examples, split_examples
@@ -137,13 +230,23 @@ def _loop(r: Recipe, device, tokenizer, config, plan) -> int:
     data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
     total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
                                                                                               t.grad_accum)))
+    if long_ctx is not None:
+        from megatrain_cli.bench_long import _expandable_segments
+
+        _expandable_segments(device)  # multi-GiB activations of varying size fragment the caching allocator
+        interval, keep = long_ctx.checkpoint_interval, frozenset()
+    else:
+        interval = e.checkpoint_interval
+        keep = kept_block_ids(len(blocks(config.num_hidden_layers, interval)), plan.keep_blocks)
     store = build_store(config, DTYPES[r.model.dtype], weights_path=r.model.path, seed=r.model.seed)
-    engine = Engine(store, t, device=device, checkpoint_interval=e.checkpoint_interval,
-                    loss_chunk_tokens=e.loss_chunk_tokens, grad_slabs=e.grad_slabs,
-                    double_buffer=e.double_buffer, overlap_optimizer=e.overlap_optimizer and device.type == "cuda",
-                    speculate=e.speculate_optimizer,
-                    keep_blocks=kept_block_ids(len(blocks(config.num_hidden_layers, e.checkpoint_interval)),
-                                               plan.keep_blocks))
+    engine = Engine(store, t, device=device, checkpoint_interval=interval,
+                    loss_chunk_tokens=long_ctx.loss_chunk_tokens if long_ctx else e.loss_chunk_tokens,
+                    grad_slabs=e.grad_slabs, double_buffer=e.double_buffer,
+                    overlap_optimizer=e.overlap_optimizer and device.type == "cuda",
+                    speculate=e.speculate_optimizer, keep_blocks=keep, long_context=long_ctx,
+                    kernels=e.kernels)
+    # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
+    pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
     start, skipped = 0, 0
     resume = r.checkpoint.resume
     ckpt = latest_checkpoint(out) if resume == "auto" else (Path(resume) if resume else None)
@@ -174,6 +277,10 @@ def _loop(r: Recipe, device, tokenizer, config, plan) -> int:
             dash.log(f"{store.num_params() / 1e6:.1f} M params on {device.type}, {total} steps, "
                      f"{data.num_rows} rows of {t.seq_len} tokens, host state "
                      f"{store.host_bytes() / 2**30:.2f} GiB")
+            if long_ctx is not None:
+                dash.log(f"long-context path: {long_ctx.offloaded_checkpoints} of {long_ctx.num_checkpoints} "
+                         f"checkpoints in host memory ({pinned / 2**30:.2f} GiB pinned), predicted device peak "
+                         f"{long_ctx.predicted_peak / 2**30:.2f} GiB")
             t_run = time.perf_counter()
             for step in range(start, total):
                 t0 = time.perf_counter()

@@ -218,3 +218,20 @@ def test_eval_on_trained_model_writes_results(straight, tmp_path):
     assert results["total"] == 4 and results["limit"] == 4 and 0 <= results["correct"] <= 4
     assert results["accuracy"] == results["correct"] / 4
     assert results["generated_tokens"] > 0
+
+
+@pytest.mark.parametrize("phase,advice", [("_head", "loss_chunk_tokens"), ("_backward_layer", "checkpoint_interval")])
+def test_cuda_out_of_memory_names_the_phase_and_what_to_change(tmp_path, capsys, monkeypatch, phase, advice):
+    from megatrain_cli.engine.step import Engine
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Engine, phase, out_of_memory)
+    out = tmp_path / "oom"
+    code = run_training(recipe(out, "train.steps=2", "checkpoint.every_n_steps=1"))
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "CUDA out of memory during " + ("head" if phase == "_head" else "backward (layer") in err
+    assert advice in err and "--dry-run" in err and "Traceback" not in err
+    assert not (out / "final").exists()  # nothing half-written is presented as a result
