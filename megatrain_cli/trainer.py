@@ -323,6 +323,12 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
     if r.eval.enabled and r.checkpoint.export_final:
         from megatrain_cli.eval.run import run_eval
 
+        # The engine's device buffers and the host store go first: eval's 'auto' mode measures free
+        # device memory to choose resident or streamed generation, and loads final/ itself.
+        del engine, store
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
         run_eval(str(out / "final"), r.data.source, split="test", limit=r.eval.limit,
                  batch_size=r.eval.batch_size, max_new_tokens=r.eval.max_new_tokens, output_dir=str(out / "eval"),
                  device=device.type, data_cfg=r.data)
