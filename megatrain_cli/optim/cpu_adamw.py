@@ -10,11 +10,19 @@ the update with the true coefficient, and `rollback` undoes it, both by AdamW's 
 new state and the gradient still in the tile. They are exact up to fp32 rounding (about one ulp
 of each weight and moment), not bit-exact; they run only on steps where speculation turned out
 wrong (the gradient was clipped, or not finite).
+
+`kernel` picks the code for update and correct: 'torch' (the torch path above), 'cpp' (the C++
+kernel of host_kernels.py, one pass that reads bf16 gradients directly; its update is bit-identical
+to the torch path's; required: an error if it does not compile) or 'auto' (the C++ kernel if it
+compiles, else the torch path, with one warning). Unset, it comes from MEGATRAIN_HOST_KERNEL, else
+'torch'. rollback always runs the torch ops.
 """
 
 from __future__ import annotations
 
 import math
+import os
+import warnings
 
 import torch
 
@@ -48,12 +56,47 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     return min(1.0, max_norm / (total_norm + 1e-6))
 
 
+KERNELS = ("torch", "cpp", "auto")
+KERNEL_ENV = "MEGATRAIN_HOST_KERNEL"
+_warned_fallback = False
+
+
+def resolve_kernel(kernel: str | None = None) -> str:
+    """'torch' or 'cpp': the code HostAdamW's update and correct will run."""
+    global _warned_fallback
+    if kernel is None:
+        kernel = os.environ.get(KERNEL_ENV, "").strip().lower() or "torch"
+    if kernel not in KERNELS:
+        raise ValueError(f"host AdamW kernel must be one of {KERNELS}, got {kernel!r}")
+    if kernel == "torch":
+        return "torch"
+    from megatrain_cli.optim import host_kernels
+
+    try:
+        host_kernels.load()
+    except RuntimeError as e:
+        if kernel == "cpp":
+            raise
+        if not _warned_fallback:
+            _warned_fallback = True
+            reason = str(e).splitlines()[0][:300]
+            warnings.warn(f"{reason}; host AdamW runs the torch path instead", RuntimeWarning, stacklevel=3)
+        return "torch"
+    return "cpp"
+
+
 class HostAdamW:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, kernel: str | None = None):
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         self.eps = cfg.eps
         self.weight_decay = cfg.weight_decay
         self._scratch: torch.Tensor | None = None
+        self.kernel = resolve_kernel(kernel)
+        self._cpp = None
+        if self.kernel == "cpp":
+            from megatrain_cli.optim import host_kernels
+
+            self._cpp = host_kernels
 
     def _fused(self, master, grad, m, v, step: float, lr: float, wd: float, clip: float) -> None:
         torch._fused_adamw_(
@@ -106,6 +149,13 @@ class HostAdamW:
         (1-b2)(c^2-1)g^2; the weight swaps its old Adam step for the new one (weight decay is the
         same in both, so it cancels). One memory pass, like an update, instead of undo + redo.
         """
+        if self._cpp is not None:
+            if clip != 1.0:
+                for start, end, _ in self._sections(tile):
+                    self._cpp.correct(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
+                                      tile.exp_avg_sq[start:end], step=tile.step, lr=lr, beta1=self.beta1,
+                                      beta2=self.beta2, eps=self.eps, clip=clip)
+            return
         bc1, bc2_sqrt = self._bias_corrections(tile.step)
         step_size = lr / bc1
         for start, end, _ in self._sections(tile):
@@ -121,6 +171,13 @@ class HostAdamW:
     def update(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
         """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is)."""
         step = float(tile.step + 1)
+        if self._cpp is not None:
+            for start, end, wd in self._sections(tile):
+                self._cpp.update(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
+                                 tile.exp_avg_sq[start:end], step=step, lr=lr, beta1=self.beta1,
+                                 beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip)
+            tile.step += 1
+            return
         for start, end, wd in self._sections(tile):
             if tile.grad.dtype == torch.float32:
                 self._fused(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],

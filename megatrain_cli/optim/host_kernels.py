@@ -1,0 +1,336 @@
+"""A C++ (OpenMP) host AdamW kernel, compiled at first use (torch.utils.cpp_extension.load_inline).
+
+Two entry points over contiguous flat sections of a tile, each ONE pass over the state:
+
+  adamw_update   torch's fused CPU AdamW (ADAMW mode, as torch._fused_adamw_) reading the gradient
+                 in its own dtype: a bf16 gradient is widened in registers instead of through an
+                 fp32 scratch buffer (saves ~8 of ~34 bytes/param of host memory traffic). Same
+                 math and the same fp32 operations in the same order as torch's kernel (scalars
+                 computed in double, then rounded to fp32 as torch does; the m update is a lerp
+                 with an FMA), so results are bit-identical to torch._fused_adamw_ for fp32
+                 gradients and to "widen, then torch._fused_adamw_" for bf16 ones (tests check it).
+                 Unlike torch's kernel it never writes the gradient back (torch stores grad/scale
+                 into the gradient when a grad_scale is given).
+  adamw_correct  HostAdamW.correct's algebra in one pass: turn an update done with clip coefficient
+                 1 into the update with coefficient c. The new moments are built from the stored
+                 ones and the gradient as update(c) sees it (g / fp32(1/c)); the weight swaps the
+                 old Adam step (recomputed bit-identically from the stored m, v) for the new one.
+                 Exact to fp32 rounding (about one ulp), like the torch path.
+
+Vector code: AVX2 + FMA, chosen at run time (__builtin_cpu_supports) through per-function target
+attributes, so the cached build never assumes the CPU it was built on (no -march=native); other
+CPUs run the same math in scalar C++. -ffp-contract=off keeps the compiler from fusing multiplies
+and adds by itself; the FMAs are explicit, where torch's build has them: the lerp of m (torch's
+vec::fmadd), and the v update, which torch's compiler contracts as fma(c2*g, g, v*b2) in its vector
+loop and as fma(v, b2, c2*g*g) in its scalar tail (the last numel % 8 elements; measured on the
+torch 2.13.0+cpu and 2.14.1+cu130 wheels, AVX512 and AVX2 kernels alike). Bit-identity with torch
+therefore depends on how torch's binary was compiled: tests/test_host_kernels.py checks it on the
+installed torch. (torch's DEFAULT-capability kernel, for CPUs without AVX2, has no FMAs: there the
+two differ by an ulp or so.) Threads: at::parallel_for over cache-line-aligned
+blocks, i.e. torch's own OpenMP pool and thread count (at::get_num_threads(), also right from a
+worker thread). The extension links torch's bundled libgomp where there is one, so the process
+keeps a single OpenMP runtime. Both entry points release the GIL while they run, as torch's ops do
+(the optimizer worker thread must not stall the training thread).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import threading
+import time
+
+import torch
+
+_SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kUnit = 1024;       // elements per parallel unit (4 KiB of fp32, 64-byte aligned)
+constexpr int64_t kGrainUnits = 64;   // at least 64K elements per thread
+
+struct Consts {
+  float beta2, w1, w1m1, c2, bc2s, eps, neg_step, decay, scale;
+  bool small_lerp, wd, scaled;
+};
+
+Consts make_consts(double step, double lr, double beta1, double beta2, double eps,
+                   double weight_decay, double clip) {
+  // As torch's FusedAdamKernel.cpp: scalars in double, rounded to fp32 where they enter the math.
+  Consts k;
+  const double bc1 = 1 - std::pow(beta1, step);
+  const double bc2 = 1 - std::pow(beta2, step);
+  const double step_size = lr / bc1;
+  k.beta2 = float(beta2);
+  k.w1 = float(1 - beta1);
+  k.w1m1 = k.w1 - 1.0f;
+  k.c2 = float(1 - beta2);
+  k.bc2s = float(std::sqrt(bc2));
+  k.eps = float(eps);
+  k.neg_step = float(-step_size);
+  k.decay = float(1 - lr * weight_decay);
+  k.wd = weight_decay != 0.0;
+  k.small_lerp = std::abs(k.w1) < 0.5f;
+  k.scaled = clip != 1.0;
+  k.scale = float(1.0 / clip);  // torch's grad_scale tensor is fp32(1 / clip); the grad is divided by it
+  return k;
+}
+
+inline float bf16_to_float(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename G> inline float load_g(const G* g, int64_t i);
+template <> inline float load_g<float>(const float* g, int64_t i) { return g[i]; }
+template <> inline float load_g<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
+
+// ---------------------------------------------------------------- scalar (any CPU; also the tails)
+// kTail: the formula of torch's scalar tail (the last numel % 8 elements of a call), whose build
+// contracts the v update differently from its vector loop.
+template <bool kTail = false, typename G>
+inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k) {
+  for (int64_t i = 0; i < n; ++i) {
+    float g = load_g(gp, i);
+    if (k.scaled) g = g / k.scale;
+    float pv = p[i];
+    if (k.wd) pv = pv * k.decay;
+    float mv = m[i];
+    mv = k.small_lerp ? std::fma(k.w1, g - mv, mv) : std::fma(k.w1m1, g - mv, g);
+    // torch's build contracts these (the vector loop's and the tail's differently) to FMAs
+    float vv = kTail ? std::fma(v[i], k.beta2, (k.c2 * g) * g) : std::fma(k.c2 * g, g, v[i] * k.beta2);
+    m[i] = mv;
+    v[i] = vv;
+    float d = std::sqrt(vv) / k.bc2s + k.eps;
+    p[i] = pv + (k.neg_step * mv) / d;
+  }
+}
+
+template <typename G>
+inline void correct_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k) {
+  for (int64_t i = 0; i < n; ++i) {
+    float g = load_g(gp, i);
+    float gc = g / k.scale;
+    float m1 = m[i], v1 = v[i];
+    float a1 = (k.neg_step * m1) / (std::sqrt(v1) / k.bc2s + k.eps);  // the step update(1) took
+    float mc = std::fma(k.w1, gc - g, m1);
+    float vc = std::fma(k.c2, (gc - g) * (gc + g), v1);
+    vc = vc < 0.0f ? 0.0f : vc;
+    float ac = (k.neg_step * mc) / (std::sqrt(vc) / k.bc2s + k.eps);  // the step update(c) takes
+    m[i] = mc;
+    v[i] = vc;
+    p[i] = (p[i] - a1) + ac;  // p[i] - a1 recovers the decayed weight, mostly exactly
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 + FMA
+__attribute__((target("avx2,fma"))) inline __m256 load8(const float* g) { return _mm256_loadu_ps(g); }
+__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* g) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+template <typename G>
+__attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, float* m, float* v,
+                                                    int64_t n, const Consts& k) {
+  const __m256 beta2 = _mm256_set1_ps(k.beta2), w1 = _mm256_set1_ps(k.w1), w1m1 = _mm256_set1_ps(k.w1m1);
+  const __m256 c2 = _mm256_set1_ps(k.c2), bc2s = _mm256_set1_ps(k.bc2s), eps = _mm256_set1_ps(k.eps);
+  const __m256 neg_step = _mm256_set1_ps(k.neg_step), decay = _mm256_set1_ps(k.decay);
+  const __m256 scale = _mm256_set1_ps(k.scale);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = load8(gp + i);
+    if (k.scaled) g = _mm256_div_ps(g, scale);
+    __m256 pv = _mm256_loadu_ps(p + i);
+    if (k.wd) pv = _mm256_mul_ps(pv, decay);
+    __m256 mv = _mm256_loadu_ps(m + i);
+    __m256 diff = _mm256_sub_ps(g, mv);
+    mv = k.small_lerp ? _mm256_fmadd_ps(w1, diff, mv) : _mm256_fmadd_ps(w1m1, diff, g);
+    __m256 vv = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(_mm256_loadu_ps(v + i), beta2));
+    _mm256_storeu_ps(m + i, mv);
+    _mm256_storeu_ps(v + i, vv);
+    __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2s), eps);
+    pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(neg_step, mv), d));
+    _mm256_storeu_ps(p + i, pv);
+  }
+  update_scalar(p + i, gp + i, m + i, v + i, n - i, k);
+}
+
+template <typename G>
+__attribute__((target("avx2,fma"))) void correct_avx2(float* p, const G* gp, float* m, float* v,
+                                                     int64_t n, const Consts& k) {
+  const __m256 w1 = _mm256_set1_ps(k.w1), c2 = _mm256_set1_ps(k.c2), bc2s = _mm256_set1_ps(k.bc2s);
+  const __m256 eps = _mm256_set1_ps(k.eps), neg_step = _mm256_set1_ps(k.neg_step);
+  const __m256 scale = _mm256_set1_ps(k.scale), zero = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 g = load8(gp + i);
+    __m256 gc = _mm256_div_ps(g, scale);
+    __m256 m1 = _mm256_loadu_ps(m + i), v1 = _mm256_loadu_ps(v + i);
+    __m256 a1 = _mm256_div_ps(_mm256_mul_ps(neg_step, m1),
+                              _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bc2s), eps));
+    __m256 mc = _mm256_fmadd_ps(w1, _mm256_sub_ps(gc, g), m1);
+    __m256 vc = _mm256_fmadd_ps(c2, _mm256_mul_ps(_mm256_sub_ps(gc, g), _mm256_add_ps(gc, g)), v1);
+    vc = _mm256_max_ps(zero, vc);  // a NaN stays NaN (maxps returns its second operand), as clamp_min_
+    __m256 ac = _mm256_div_ps(_mm256_mul_ps(neg_step, mc),
+                              _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vc), bc2s), eps));
+    _mm256_storeu_ps(m + i, mc);
+    _mm256_storeu_ps(v + i, vc);
+    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), a1), ac));
+  }
+  correct_scalar(p + i, gp + i, m + i, v + i, n - i, k);
+}
+
+bool has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+void check(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
+           const at::Tensor& exp_avg_sq) {
+  for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
+                "master/exp_avg/exp_avg_sq must be contiguous fp32 CPU tensors");
+    TORCH_CHECK(t->numel() == master.numel(), "sections must have the same numel");
+  }
+  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == master.numel(),
+              "grad must be a contiguous CPU tensor of the same numel");
+  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
+              "grad must be fp32 or bf16");
+}
+
+template <bool kCorrect>
+void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
+         const Consts& k, int64_t tail_width) {
+  check(master, grad, exp_avg, exp_avg_sq);
+  const int64_t numel = master.numel();
+  if (numel == 0) return;
+  // torch's kernel runs vector code over all but the last numel % tail_width elements (its threads'
+  // ranges are multiples of 16 elements); those go through its scalar tail.
+  const int64_t n = (!kCorrect && tail_width > 0) ? numel - numel % tail_width : numel;
+  float* p = master.data_ptr<float>();
+  float* m = exp_avg.data_ptr<float>();
+  float* v = exp_avg_sq.data_ptr<float>();
+  const bool bf16 = grad.scalar_type() == at::kBFloat16;
+  const void* g = grad.data_ptr();
+  const bool avx2 = has_avx2();
+  const int64_t units = (n + kUnit - 1) / kUnit;
+  at::parallel_for(0, units, kGrainUnits, [&](int64_t u0, int64_t u1) {
+    const int64_t lo = u0 * kUnit, hi = std::min(n, u1 * kUnit);
+    float *pp = p + lo, *mm = m + lo, *vv = v + lo;
+    const int64_t len = hi - lo;
+    if (bf16) {
+      const uint16_t* gg = static_cast<const uint16_t*>(g) + lo;
+      if (kCorrect) { if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k); }
+      else          { if (avx2) update_avx2(pp, gg, mm, vv, len, k);  else update_scalar(pp, gg, mm, vv, len, k); }
+    } else {
+      const float* gg = static_cast<const float*>(g) + lo;
+      if (kCorrect) { if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k); }
+      else          { if (avx2) update_avx2(pp, gg, mm, vv, len, k);  else update_scalar(pp, gg, mm, vv, len, k); }
+    }
+  });
+  if (n < numel) {
+    if (bf16) update_scalar<true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k);
+    else      update_scalar<true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k);
+  }
+}
+
+}  // namespace
+
+void adamw_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                  double step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                  double clip, int64_t tail_width) {
+  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
+  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
+  pybind11::gil_scoped_release no_gil;  // as torch's own ops: the training thread runs meanwhile
+  run<false>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
+}
+
+void adamw_correct(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                   double step, double lr, double beta1, double beta2, double eps, double clip) {
+  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
+  Consts k = make_consts(step, lr, beta1, beta2, eps, 0.0, clip);
+  pybind11::gil_scoped_release no_gil;
+  run<true>(master, grad, exp_avg, exp_avg_sq, k, 0);
+}
+
+bool uses_avx2() { return has_avx2(); }
+"""
+
+_NAME = "megatrain_host_adamw"
+_lock = threading.Lock()
+_module = None
+_error: Exception | None = None
+compile_seconds: float | None = None  # wall time of the load (a compile, or a load from the cache)
+_TAIL = 0  # set on load: torch_tail_width()
+
+
+def _gomp_flags() -> list[str]:
+    """Link the OpenMP runtime torch itself uses (one runtime, one thread pool, in the process)."""
+    bundled = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp*.so*")))
+    if bundled:
+        return [bundled[0], f"-Wl,-rpath,{os.path.dirname(bundled[0])}"]
+    return ["-lgomp"]
+
+
+def load():
+    """The compiled module (compiling it the first time in this environment); raises if it cannot."""
+    global _module, _error, compile_seconds, _TAIL
+    with _lock:
+        if _module is not None:
+            return _module
+        if _error is not None:
+            raise RuntimeError(f"host AdamW kernel unavailable: {_error}") from _error
+        from torch.utils.cpp_extension import load_inline
+
+        t0 = time.perf_counter()
+        try:
+            _module = load_inline(
+                name=_NAME, cpp_sources=[_SOURCE],
+                functions=["adamw_update", "adamw_correct", "uses_avx2"],
+                extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
+                extra_ldflags=_gomp_flags(), verbose=False)
+        except Exception as e:  # compiler missing, ninja missing, build error
+            _error = e
+            raise RuntimeError(f"host AdamW kernel unavailable: {e}") from e
+        compile_seconds = time.perf_counter() - t0
+        _TAIL = torch_tail_width()
+        return _module
+
+
+def torch_tail_width() -> int:
+    """torch's fused AdamW runs the last numel % 8 elements of a call through scalar code whose v
+    update its build contracts to a different FMA than its vector code does (with AVX512's 16 lanes
+    the compiler vectorises the first 8 of a tail of 8..15 like the main loop, so 8 either way).
+    The update mirrors it, for bit-identity."""
+    return 8
+
+
+def update(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,
+           eps: float, weight_decay: float, clip: float = 1.0) -> None:
+    """One AdamW step over one flat section, in place (as torch._fused_adamw_ with
+    grad_scale = 1/clip, but the gradient is read, never written, and may be bf16)."""
+    load().adamw_update(master, grad, exp_avg, exp_avg_sq, float(step), float(lr), float(beta1),
+                        float(beta2), float(eps), float(weight_decay), float(clip), _TAIL)
+
+
+def correct(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,
+            eps: float, clip: float) -> None:
+    """Turn the section's last update (clip 1, this lr, state step `step`) into the one with `clip`."""
+    load().adamw_correct(master, grad, exp_avg, exp_avg_sq, float(step), float(lr), float(beta1),
+                         float(beta2), float(eps), float(clip))
+
+
+def available() -> bool:
+    try:
+        load()
+        return True
+    except RuntimeError:
+        return False

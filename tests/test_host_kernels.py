@@ -1,0 +1,198 @@
+"""The C++ host AdamW kernel (optim/host_kernels.py) against the torch path of HostAdamW.
+
+update: bit-identical to torch._fused_adamw_ (fp32 gradients) and to widening + torch._fused_adamw_
+(bf16 gradients), weight decay on a leading range, several steps, clip coefficients 1 and 0.3,
+sizes that are not multiples of the kernel's blocks or vector width.
+correct: equal to the direct update with the clip coefficient, and to the torch path's
+update(1) + correct, to fp32 rounding (the tolerances of tests/test_speculation.py).
+Skipped as a whole if the kernel cannot be compiled here (no compiler, no ninja)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatrain_cli.optim import host_kernels
+from megatrain_cli.optim.cpu_adamw import KERNEL_ENV, HostAdamW
+from megatrain_cli.recipe import TrainConfig
+
+CFG = TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6)
+LR = 1e-3
+# (numel, decay_numel): odd sizes around the vector width (8/16), the 1024-element units and the
+# 64K-element grain of the kernel's threads; decay splits at odd offsets; all-decay and no-decay.
+SIZES = [(1, 1), (17, 9), (1041, 1024), (3 * 65536 + 1037, 70001), (40000, 0), (4097, 4097)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    try:
+        return host_kernels.load()
+    except RuntimeError as e:
+        pytest.skip(f"C++ host kernel does not compile here: {e}")
+
+
+def make_tile(numel: int, decay_numel: int, grad_dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return SimpleNamespace(
+        layout=SimpleNamespace(decay_numel=decay_numel), numel=numel, step=0,
+        master=torch.randn(numel, generator=g) * 0.02, exp_avg=torch.zeros(numel),
+        exp_avg_sq=torch.zeros(numel), grad=torch.zeros(numel, dtype=grad_dtype))
+
+
+def clone_tile(t):
+    return SimpleNamespace(layout=t.layout, numel=t.numel, step=t.step, master=t.master.clone(),
+                           exp_avg=t.exp_avg.clone(), exp_avg_sq=t.exp_avg_sq.clone(), grad=t.grad.clone())
+
+
+def grads(numel: int, dtype: torch.dtype, steps: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(numel, generator=g) * 1e-2).to(dtype) for _ in range(steps)]
+
+
+def assert_state_equal(a, b):
+    assert a.step == b.step
+    for name in ("master", "exp_avg", "exp_avg_sq"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert torch.equal(x, y), f"{name}: {(x != y).sum().item()} of {x.numel()} differ"
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clip", [1.0, 0.3])
+@pytest.mark.parametrize("numel,decay_numel", SIZES)
+def test_update_is_bit_identical_to_torch_fused_adamw(grad_dtype, clip, numel, decay_numel):
+    ref = make_tile(numel, decay_numel, grad_dtype)
+    cpp = clone_tile(ref)
+    opt_torch, opt_cpp = HostAdamW(CFG, kernel="torch"), HostAdamW(CFG, kernel="cpp")
+    assert opt_cpp.kernel == "cpp"
+    for g in grads(numel, grad_dtype, steps=3):
+        ref.grad.copy_(g)  # torch's kernel writes grad/scale back into an fp32 grad: fresh copies
+        cpp.grad.copy_(g)
+        opt_torch.update(ref, LR, clip)
+        opt_cpp.update(cpp, LR, clip)
+        assert torch.equal(cpp.grad, g), "the C++ update never writes the gradient"
+        assert_state_equal(cpp, ref)
+
+
+def test_update_matches_torch_called_directly_with_other_hyperparameters():
+    # beta1 >= 0.5 takes the other branch of torch's lerp; lr, eps and decay vary too.
+    n = 70001
+    torch_t = make_tile(n, n, torch.float32, seed=3)
+    cpp_t = clone_tile(torch_t)
+    for step, (b1, b2, lr, eps, wd) in enumerate([(0.3, 0.95, 3e-4, 1e-8, 0.01), (0.3, 0.95, 1e-2, 1e-8, 0.0),
+                                                  (0.9, 0.99, 2e-3, 1e-5, 0.5)], start=1):
+        g = grads(n, torch.float32, 1, seed=step)[0]
+        torch._fused_adamw_([torch_t.master], [g.clone()], [torch_t.exp_avg], [torch_t.exp_avg_sq], [],
+                            [torch.tensor(float(step))], amsgrad=False, lr=lr, beta1=b1, beta2=b2,
+                            weight_decay=wd, eps=eps, maximize=False, grad_scale=torch.tensor(1 / 0.7),
+                            found_inf=None)
+        host_kernels.update(cpp_t.master, g, cpp_t.exp_avg, cpp_t.exp_avg_sq, step=step, lr=lr, beta1=b1,
+                            beta2=b2, eps=eps, weight_decay=wd, clip=0.7)
+        cpp_t.step = torch_t.step = step
+        assert_state_equal(cpp_t, torch_t)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numel,decay_numel", [(17, 9), (3 * 65536 + 1037, 70001)])
+def test_correct_gives_the_clipped_update_to_fp32_rounding(grad_dtype, numel, decay_numel):
+    direct = make_tile(numel, decay_numel, grad_dtype)  # update(0.3)
+    cpp, via_torch = clone_tile(direct), clone_tile(direct)  # update(1) + correct(0.3), C++ / torch
+    opt_torch, opt_cpp = HostAdamW(CFG, kernel="torch"), HostAdamW(CFG, kernel="cpp")
+    for g in grads(numel, grad_dtype, steps=2):  # two steps: moments and bias corrections not trivial
+        for t in (direct, cpp, via_torch):
+            t.grad.copy_(g)
+        opt_cpp.update(direct, LR, 0.3)
+        opt_cpp.update(cpp, LR, 1.0)
+        opt_cpp.correct(cpp, LR, 0.3)
+        opt_torch.update(via_torch, LR, 1.0)
+        opt_torch.correct(via_torch, LR, 0.3)
+        assert torch.equal(cpp.grad, g)
+    for other in (direct, via_torch):
+        assert cpp.step == other.step == 2
+        # As tests/test_speculation.py: about one ulp of a weight (|w| ~ 0.02), a few of m and v.
+        torch.testing.assert_close(cpp.master, other.master, rtol=1e-6, atol=2e-9)
+        torch.testing.assert_close(cpp.exp_avg, other.exp_avg, rtol=1e-5, atol=5e-10)
+        torch.testing.assert_close(cpp.exp_avg_sq, other.exp_avg_sq, rtol=1e-5, atol=1e-14)
+    if numel > 1000:  # on average the C++ correction lands on the direct update at least as closely
+        assert (cpp.master - direct.master).abs().mean() <= (via_torch.master - direct.master).abs().mean()
+        assert (cpp.master == direct.master).sum() >= (via_torch.master == direct.master).sum()
+
+
+def test_correct_with_coefficient_one_changes_nothing():
+    t = make_tile(1041, 1024, torch.bfloat16)
+    t.grad.copy_(grads(1041, torch.bfloat16, 1)[0])
+    opt = HostAdamW(CFG, kernel="cpp")
+    opt.update(t, LR, 1.0)
+    before = clone_tile(t)
+    host_kernels.correct(t.master, t.grad, t.exp_avg, t.exp_avg_sq, step=t.step, lr=LR, beta1=0.9,
+                         beta2=0.999, eps=1e-6, clip=1.0)
+    assert_state_equal(t, before)
+
+
+def test_kernel_choice(monkeypatch):
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert HostAdamW(CFG).kernel == "torch"  # the default, until measured on the GPU machine
+    monkeypatch.setenv(KERNEL_ENV, "cpp")
+    assert HostAdamW(CFG).kernel == "cpp"
+    monkeypatch.setenv(KERNEL_ENV, "auto")
+    assert HostAdamW(CFG).kernel == "cpp"
+    assert HostAdamW(CFG, kernel="torch").kernel == "torch"  # an explicit argument wins
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    with pytest.raises(ValueError):
+        HostAdamW(CFG)
+
+
+def test_speculative_engine_with_the_cpp_kernel_matches_the_torch_path(monkeypatch):
+    # The optimizer worker thread runs the kernel (its OpenMP team starts from a non-main thread);
+    # a clipped step: speculated tiles are corrected by adamw_correct.
+    from tests.test_speculation import train
+
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    _, probe = train(1e9, overlap=False, steps=1)
+    max_norm = probe[0].grad_norm * 0.999
+    plain, plain_res = train(max_norm, overlap=False, steps=1)
+    monkeypatch.setenv(KERNEL_ENV, "cpp")
+    spec, spec_res = train(max_norm, overlap=True, steps=1)
+    assert spec_res[0].speculation["corrected"] >= 1
+    assert spec_res[0].losses == plain_res[0].losses
+    for name, tile in plain.tiles.items():
+        torch.testing.assert_close(spec.tiles[name].master, tile.master, rtol=1e-6, atol=2e-9)
+        torch.testing.assert_close(spec.tiles[name].exp_avg, tile.exp_avg, rtol=1e-5, atol=1e-9)
+        torch.testing.assert_close(spec.tiles[name].exp_avg_sq, tile.exp_avg_sq, rtol=1e-5, atol=1e-12)
+
+
+def test_the_kernel_releases_the_gil():
+    # The optimizer worker runs it beside the training thread, which must keep going meanwhile.
+    import sys
+    import threading
+    import time
+
+    n = 1 << 23
+    t = make_tile(n, n, torch.bfloat16)
+    span, started = [], threading.Event()
+
+    def work():
+        started.set()
+        for _ in range(3):
+            t0 = time.perf_counter()
+            host_kernels.correct(t.master, t.grad, t.exp_avg, t.exp_avg_sq, step=1, lr=LR, beta1=0.9,
+                                 beta2=0.999, eps=1e-6, clip=0.5)
+            span.append((t0, time.perf_counter()))  # Python ticks only inside a call: GIL released
+
+    threads, interval = torch.get_num_threads(), sys.getswitchinterval()
+    torch.set_num_threads(1)  # leave a core to this thread
+    sys.setswitchinterval(10.0)  # no forced GIL hand-overs: this thread runs only when the worker lets go
+    try:
+        worker = threading.Thread(target=work)
+        worker.start()
+        started.wait()
+        ticks = []
+        while worker.is_alive():
+            ticks.append(time.perf_counter())
+            time.sleep(0.001)
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+        sys.setswitchinterval(interval)
+    assert any(a < x < b for a, b in span for x in ticks), "no Python ran while the kernel did"
