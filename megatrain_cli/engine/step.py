@@ -10,6 +10,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,11 @@ from megatrain_cli.engine.transfers import GradSink, WeightStreamer
 from megatrain_cli.optim.cpu_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.sharded import ShardedHostStore
 from megatrain_cli.store.tiles import HostStore
+
+if TYPE_CHECKING:  # torch.distributed is imported only by a distributed engine
+    from megatrain_cli.engine.distributed import DistContext
 
 IGNORE_INDEX = -100
 # Long-context path: the largest block-causal mask (bool elements) a packed micro-batch may build, 4 GiB
@@ -82,19 +87,32 @@ class Engine:
     cross-entropy. 'torch' is the plain HF/PyTorch path; 'auto' = 'triton' on CUDA, 'torch' elsewhere
     (kernel_patch.resolve). A kernel whose Triton path fails falls back to its PyTorch reference with
     one warning (the registry in megatrain_cli.kernels).
+
+    `dist` (a DistContext, issue #11) makes this engine one data-parallel rank: `store` is this rank's
+    ShardedHostStore, `step` gets this rank's share of the step's micro-batches (split_micro_batches),
+    layers are assembled on the device by all-gathers and gradients leave reduce-scattered, the loss is
+    normalised by the global token count and the gradient norm is global (engine/distributed.py). Only
+    the synchronous streamer exists for it so far (on CUDA too). Without `dist`, nothing changes.
     """
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
                  checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
                  double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
-                 long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch"):
+                 long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
+                 dist: DistContext | None = None):
         if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
             raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
                              f"the engine was given {checkpoint_interval}: pass "
                              f"checkpoint_interval=plan.checkpoint_interval (its memory terms assume it)")
         if sdpa not in SDPA_BACKENDS:
             raise ValueError(f"unknown SDPA backend {sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
+        if dist is not None and not isinstance(store, ShardedHostStore):
+            raise ValueError("a distributed engine needs this rank's ShardedHostStore (store/sharded.py)")
+        if dist is not None and (store.rank, store.world) != (dist.rank, dist.world):
+            raise ValueError(f"the store holds shard {store.rank} of {store.world}, this is rank {dist.rank} "
+                             f"of {dist.world}")
+        self.dist = dist
         self.kernels = kernel_patch.resolve(kernels, device)  # 'torch' or 'triton'
         self.store, self.train_cfg, self.device = store, train, device
         self.adapter = store.adapter
@@ -110,7 +128,13 @@ class Engine:
             self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
                                           max_grad_norm=train.max_grad_norm, speculate=speculate)
         before_read = self.worker.wait if self.worker else None
-        if device.type == "cuda":
+        if dist is not None:
+            from megatrain_cli.engine.distributed import DistGradSink, DistStreamer
+
+            self.streamer = DistStreamer(store, device, self.dtype, dist, layer_slots=layer_slots,
+                                         before_read=before_read)
+            self.sink = DistGradSink(store, self.streamer, dist)
+        elif device.type == "cuda":
             from megatrain_cli.engine.cuda_pipeline import CudaGradSink, CudaStreamer
 
             self.streamer = CudaStreamer(store, device, self.dtype, layer_slots=layer_slots,
@@ -172,6 +196,12 @@ class Engine:
         return sdpa_backend_context(self.sdpa, self.device)
 
     # ------------------------------------------------------------ helpers
+    def _grad_zeros(self, tile: str) -> torch.Tensor:
+        """A tile's fp32 gradient accumulator; on the distributed path padded to the store's shard multiple
+        (the tail stays zero), so the sink reduce-scatters it as it is."""
+        n = self.store.layouts[tile].numel if self.dist is None else self.store.padded_numel(tile)
+        return torch.zeros(n, dtype=torch.float32, device=self.device)
+
     def _weights(self, tile: str, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
         views = self.store.layouts[tile].views(flat)
         if grad:
@@ -240,7 +270,11 @@ class Engine:
             self.streamer.idle_while(lambda: self.worker.wait("embed"))
         ids_all = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
         uniq, inverse = torch.unique(ids_all, return_inverse=True)
-        rows = self.store.tiles["embed"].master.view(-1, H)[uniq].to(dev, self.dtype)
+        if self.dist is None:
+            rows = self.store.tiles["embed"].master.view(-1, H)[uniq].to(dev, self.dtype)
+        else:
+            self.sink.reset()
+            rows = self.streamer.embed_rows(uniq)  # the rows live on their owner ranks
         inv_dev = inverse.to(dev)
         h, ctx, labels, offsets = [], [], [], []
         n_loss_tokens, start = 0, 0
@@ -258,6 +292,8 @@ class Engine:
             shifted[:, :-1] = mb.labels[:, 1:]
             labels.append(shifted.to(dev))
             n_loss_tokens += int((shifted != IGNORE_INDEX).sum())
+        if self.dist is not None:  # every rank scales by the global batch's loss tokens
+            n_loss_tokens = int(self.dist.sum_scalars([n_loss_tokens])[0])
         norm_scale = 1.0 / max(1, n_loss_tokens)
         sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
 
@@ -322,14 +358,20 @@ class Engine:
             times["wait_optimizer"] = self.worker.waited_s - waited_before
 
         # The one host sync of the step: the global gradient norm.
-        grad_norm = float(sq_norm.sqrt())
         loss_sum = sum(l * n for l, n in losses)
         total = sum(n for _, n in losses)
+        n_tokens = int(ids_all.numel())
+        if self.dist is None:
+            grad_norm = float(sq_norm.sqrt())
+        else:  # sq_norm above is this rank's unreduced gradient: the sink has its share of the reduced one
+            sq, loss_sum, total, n_tokens = self.dist.sum_scalars(
+                [self.sink.take_sq_norm(), loss_sum, total, n_tokens])
+            grad_norm, n_tokens = math.sqrt(sq) if sq >= 0 else float("nan"), int(n_tokens)
         finite = math.isfinite(grad_norm) and math.isfinite(loss_sum)
         times["total_fb"] = time.perf_counter() - t_start
         st = self.streamer.stats
         return StepResult([l for l, _ in losses], loss_sum / max(1, total), grad_norm,
-                          int(ids_all.numel()), n_loss_tokens, skipped=not finite, times=times,
+                          n_tokens, n_loss_tokens, skipped=not finite, times=times,
                           h2d_bytes=st.h2d_bytes, d2h_bytes=st.d2h_bytes, h2d_count=dict(st.h2d_count))
 
     # ------------------------------------------------------------ phases
@@ -347,7 +389,7 @@ class Engine:
         xs, ys, w = graphs.pop(i)
         names = list(w)
         layout = self.store.layouts[f"layers.{i}"]
-        acc = torch.zeros(layout.numel, dtype=torch.float32, device=self.device)
+        acc = self._grad_zeros(f"layers.{i}")
         acc_views = layout.views(acc)
         grads_in = []
         for x, y, g in zip(xs, ys, grads_out):
@@ -369,7 +411,11 @@ class Engine:
             lm_w = self.streamer.acquire("embed").view(self.adapter.vocab_size, -1)
         else:
             lm_w = w["lm_head.weight"]
-        lm_grad = torch.zeros(lm_w.shape, dtype=torch.float32, device=self.device)
+        if self.adapter.tied:  # the embedding tile's gradient: padded on the distributed path
+            tied_flat = self._grad_zeros("embed")
+            lm_grad = tied_flat[:lm_w.numel()].view(lm_w.shape)
+        else:
+            lm_grad = torch.zeros(lm_w.shape, dtype=torch.float32, device=self.device)
         norm_grad = {k: torch.zeros(v.shape, dtype=torch.float32, device=self.device) for k, v in norm_w.items()}
         grads_out, losses = [], []
         for x, lab in zip(h, labels):
@@ -389,17 +435,17 @@ class Engine:
                 norm_grad[name].add_(g)
             losses.append((loss_sum / max(1, n_tok), n_tok))
         head_layout = self.store.layouts["head"]
-        head_acc = torch.zeros(head_layout.numel, dtype=torch.float32, device=self.device)
+        head_acc = self._grad_zeros("head")
         views = head_layout.views(head_acc)
         for name, g in norm_grad.items():
             views["norm." + name].copy_(g)
         if not self.adapter.tied:
             views["lm_head.weight"].copy_(lm_grad)
-            lm_grad = None  # sent now; tied weights wait for the embedding rows
         sq = torch.dot(head_acc, head_acc)
         sq_norm.add_(sq)
         self.sink.send("head", head_acc, sq)
-        return grads_out, losses, lm_grad
+        # Tied: the whole embedding tile's gradient, sent after the embedding rows are added; else sent now.
+        return grads_out, losses, (tied_flat if self.adapter.tied else None)
 
     def _chunked_loss(self, flat_n, flat_l, lm_w, lm_grad, norm_scale) -> tuple[torch.Tensor, float]:
         """The PyTorch head loss: per token chunk a matmul, cross-entropy on fp32 logits and autograd;
@@ -429,14 +475,15 @@ class Engine:
                                            chunk_tokens=self.chunk, scale=norm_scale, grad_weight=lm_grad)
         return d_normed, float(loss) / norm_scale  # the kernel's loss is scaled; the engine reports sums
 
-    def _embed_backward(self, grads_out, uniq, inv_dev, offsets, tied_grad, sq_norm) -> None:
+    def _embed_backward(self, grads_out, uniq, inv_dev, offsets, tied_flat, sq_norm) -> None:
         H = self.adapter.hidden_size
         rows = torch.zeros(uniq.numel(), H, dtype=torch.float32, device=self.device)
         for g, (lo, hi) in zip(grads_out, offsets):
             rows.index_add_(0, inv_dev[lo:hi], g.reshape(-1, H).float())
-        if tied_grad is not None:
+        if tied_flat is not None:
+            tied_grad = tied_flat[:self.adapter.vocab_size * H].view(self.adapter.vocab_size, H)
             tied_grad.index_add_(0, uniq.to(self.device), rows)
-            flat = tied_grad.view(-1)
+            flat = tied_flat
             sq = torch.dot(flat, flat)
             sq_norm.add_(sq)
             self.sink.send("embed", flat, sq)

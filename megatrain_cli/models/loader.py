@@ -68,13 +68,26 @@ def load_weights(store: HostStore, path: str | Path) -> None:
                 if tuple(tensor.shape) != slot.shape:
                     raise ModelLoadError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
                                          f"the config implies {slot.shape}")
-                store.master_view(tname, slot).copy_(tensor)
+                store.write_master(tname, slot, tensor)
                 seen.add(key)
                 del tensor
     missing = sorted(set(targets) - seen)
     if missing or unexpected:
         raise ModelLoadError(f"checkpoint in {path} does not match its config: missing {missing[:5]}"
                              f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}")
+
+
+def random_init_tile(tile, std: float, seed: int, index: int) -> None:
+    """One whole tile's masters as random_init draws them (tile `index` in store order)."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + index)
+    for slot in tile.layout.slots:
+        view = tile.master[slot.offset:slot.offset + slot.numel]
+        if len(slot.shape) >= 2:
+            view.normal_(0.0, std, generator=gen)
+        elif "norm" in slot.name:
+            view.fill_(1.0)
+        else:
+            view.zero_()
 
 
 def random_init(store: HostStore, seed: int = 0, threads: int | None = None) -> None:
@@ -87,16 +100,7 @@ def random_init(store: HostStore, seed: int = 0, threads: int | None = None) -> 
     names = list(store.tiles)
 
     def fill(i: int) -> None:
-        tile = store.tiles[names[i]]
-        gen = torch.Generator().manual_seed(seed * 100_003 + i)
-        for slot in tile.layout.slots:
-            view = tile.master[slot.offset:slot.offset + slot.numel]
-            if len(slot.shape) >= 2:
-                view.normal_(0.0, std, generator=gen)
-            elif "norm" in slot.name:
-                view.fill_(1.0)
-            else:
-                view.zero_()
+        random_init_tile(store.tiles[names[i]], std, seed, i)
 
     threads = threads or min(len(names), os.cpu_count() or 1)
     if threads <= 1:

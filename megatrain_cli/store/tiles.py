@@ -150,6 +150,10 @@ class HostStore:
         t = self.tiles[tile]
         return t.master[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
+    def write_master(self, tile: str, slot: Slot, tensor: torch.Tensor) -> None:
+        """Copy one whole HF tensor into its master slot (loading; the sharded store keeps its part)."""
+        self.master_view(tile, slot).copy_(tensor)
+
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Views of the masters under HF names (cast copies when dtype is given): for tests and export."""
         out = {}

@@ -1,0 +1,345 @@
+"""Data-parallel layer streaming on torch.distributed (issue #11): the engine-level pieces.
+
+N ranks (one GPU each, or N CPU processes on gloo), each with its share of every step's micro-batches
+and 1/N of every tile in host memory (store/sharded.py). Per layer and step:
+
+    acquire   the rank's shard of the master, cast to the compute dtype, goes into ITS slice of the
+              whole-layer device buffer (over its own PCIe link: 1/N of the layer's bytes), then one
+              all-gather (in place) assembles the whole layer on every device
+    backward  each rank's fp32 gradient accumulator (its micro-batches only) is reduce-scattered
+              (sum over ranks); the rank's shard goes to its host grad section; its squared norm is
+              added to this rank's share of the global norm
+
+The embedding is not streamed whole (one process never does that either, unless tied):
+
+    forward   every rank marks the token ids of its micro-batches in a [V] int32 vector; one
+              all-reduce gives the step's global set U of used rows (sorted, the same everywhere).
+              Embedding shards are whole rows (rank r owns rows [r V/N, (r+1) V/N)), so each rank
+              reads only the rows of U it owns from its host shard (|U|/N rows on average over PCIe),
+              writes them into a zero [|U|, H] device buffer and an all-reduce (sum; every element
+              has exactly one non-zero term, so the sum is exact) gives every rank all rows of U.
+    backward  each rank index-adds its row gradients into a zero [|U|, H] fp32 buffer; an all-reduce
+              sums them; each rank keeps the rows it owns (sparse, as one process does).
+    cost      2 all-reduces of |U| x H (compute dtype forward, fp32 backward) + one of V int32 per step,
+              against gathering the whole table (V x H) every step: |U| <= tokens per step, usually far
+              below V, and no V x H buffer on the device.
+
+With tied embeddings the head needs the whole table anyway: it is acquired (all-gathered) once at the
+start of the step, the forward rows are read from it and the head reuses it; its gradient is a whole
+tile's and is reduce-scattered like a layer's.
+
+Global quantities (the only extra host syncs; one process has the first and the last too):
+
+    step start   the number of loss tokens of the GLOBAL batch (all-reduce), so every rank scales its
+                 loss by 1 / global tokens and the summed gradients are the single-process gradients
+    step end     one all-reduce of (this rank's shard squared norms, loss sum, loss tokens, tokens):
+                 the global gradient norm, hence the clip coefficient, identical on every rank
+
+Collectives per step: one all-gather per layer transfer (2-3 per layer, as the schedule's
+transfers_per_layer), one reduce-scatter per layer, one each for the head; the embedding's three
+(or, tied, one all-gather + one reduce-scatter); the two scalar all-reduces. All are issued by the
+training thread in schedule order, identical on every rank (the optimizer worker thread, when on,
+runs no collective), so one process group suffices here. The streamer is synchronous (the reference
+path, like transfers.WeightStreamer): a CUDA version that overlaps (CudaStreamer's packer thread
+doing the H2D of the shard, all-gathers on a second communicator) is the next step.
+
+Host tensors (gathering the masters for tests / export) go through `cpu_group`, a gloo group; under
+NCCL the device collectives use the default group.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatrain_cli.engine.transfers import GradSink, Slot, TransferStats, WeightStreamer
+from megatrain_cli.store.sharded import ShardedHostStore
+
+# NVLink multicast / NVLS off in every launcher: the multi-GPU H200 machines we run on need it off.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def multicast_off() -> None:
+    os.environ.update(MULTICAST_OFF)
+
+
+def _all_gather_fn():  # newer torch renames it (the old name warns); torch 2.4 has only the old one
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class DistContext:
+    """Who this process is among the data-parallel ranks, and the groups its collectives use."""
+
+    rank: int
+    world: int
+    device: torch.device
+    group: object = None  # device-tensor collectives (NCCL on CUDA, gloo on CPU); None: the default group
+    cpu_group: object = None  # host-tensor collectives (gloo); None: the default group
+    # Capability flags, found out on first use (see all_gather / reduce_scatter).
+    _gather_tensor_ok: bool | None = field(default=None, repr=False)
+    _scatter_tensor_ok: bool | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_default_group(cls, device: torch.device) -> "DistContext":
+        """After dist.init_process_group: under NCCL a gloo group is made for host tensors."""
+        cpu_group = None
+        if dist.get_backend() != "gloo":
+            cpu_group = dist.new_group(backend="gloo")
+        return cls(dist.get_rank(), dist.get_world_size(), device, None, cpu_group)
+
+    # ------------------------------------------------------------ collectives
+    def _backend(self) -> str:
+        return dist.get_backend(self.group)
+
+    def all_gather(self, full: torch.Tensor, mine: torch.Tensor) -> None:
+        """full = concat over ranks of `mine` (full.numel() = world * mine.numel(); `mine` may be this
+        rank's slice of `full`: in place, as NCCL supports)."""
+        if self._backend() != "gloo":
+            _all_gather_fn()(full, mine, group=self.group)
+            return
+        if self._gather_tensor_ok is not False:
+            try:
+                _all_gather_fn()(full, mine, group=self.group)
+                self._gather_tensor_ok = True
+                return
+            except (RuntimeError, NotImplementedError):
+                # An old gloo without all_gather_into_tensor: refused locally, before any traffic, on
+                # every rank alike, so falling back here cannot desynchronise the ranks.
+                if self._gather_tensor_ok:
+                    raise
+                self._gather_tensor_ok = False
+        dist.all_gather(list(full.split(mine.numel())), mine.clone(), group=self.group)
+
+    def reduce_scatter(self, grad: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the sum over ranks of `grad` (grad.numel() divisible by world)."""
+        n = grad.numel() // self.world
+        if self._backend() != "gloo":
+            out = torch.empty(n, dtype=grad.dtype, device=grad.device)
+            _reduce_scatter_fn()(out, grad, group=self.group)
+            return out
+        if self._scatter_tensor_ok is not False:
+            out = torch.empty(n, dtype=grad.dtype, device=grad.device)
+            try:
+                _reduce_scatter_fn()(out, grad, group=self.group)
+                self._scatter_tensor_ok = True
+                return out
+            except (RuntimeError, NotImplementedError):
+                # gloo has no reduce_scatter on CPU tensors in older torch versions: all-reduce the whole
+                # gradient and keep this rank's slice (twice the traffic, same sums). As above, the refusal
+                # is local and happens on every rank.
+                if self._scatter_tensor_ok:
+                    raise
+                self._scatter_tensor_ok = False
+        dist.all_reduce(grad, group=self.group)
+        return grad[self.rank * n:(self.rank + 1) * n]
+
+    def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place."""
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def sum_scalars(self, values) -> list[float]:
+        """Sum each value over ranks (floats or 0-d tensors; one all-reduce, one host sync)."""
+        t = torch.stack([torch.as_tensor(v, dtype=torch.float64).to(self.device).reshape(()) for v in values])
+        dist.all_reduce(t, group=self.group)
+        return t.tolist()
+
+
+def init_distributed(device_type: str = "cuda", *, init_method: str | None = None, rank: int | None = None,
+                     world_size: int | None = None) -> DistContext:
+    """The process group for one rank (torchrun's environment by default); NCCL on CUDA, else gloo.
+
+    Under torchrun, LOCAL_RANK picks the GPU. Multicast / NVLS is switched off first (MULTICAST_OFF)."""
+    multicast_off()
+    if device_type == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
+        torch.cuda.set_device(local)
+        device, backend = torch.device("cuda", local), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    kw = {} if init_method is None else {"init_method": init_method}
+    if rank is not None:
+        kw.update(rank=rank, world_size=world_size)
+    dist.init_process_group(backend, **kw)
+    return DistContext.from_default_group(device)
+
+
+def split_micro_batches(micro_batches: list, rank: int, world: int) -> list:
+    """This rank's share of the global batch: micro-batches rank, rank + N, ... (counts differ by at most
+    one; the loss is normalised by the global token count, so any split gives the same gradient)."""
+    if len(micro_batches) < world:
+        raise ValueError(f"{len(micro_batches)} micro-batches per step cannot feed {world} ranks: raise "
+                         f"train.grad_accum to at least {world}")
+    return micro_batches[rank::world]
+
+
+@dataclass
+class DistStats(TransferStats):
+    gathered_bytes: int = 0  # bytes assembled by all-gathers (the whole layers), per rank
+    reduced_bytes: int = 0  # bytes entering reduce-scatters / all-reduces, per rank
+
+    def reset(self) -> None:
+        super().reset()
+        self.gathered_bytes = self.reduced_bytes = 0
+
+
+@dataclass
+class _RowPlan:
+    """The step's embedding rows: the global used set and this rank's part of it."""
+
+    used: torch.Tensor  # [|U|] sorted token ids (device)
+    lo: int  # used[lo:hi] are the rows this rank owns
+    hi: int
+    local: torch.Tensor  # [hi - lo] their row index in this rank's shard (host)
+    pos: torch.Tensor  # [u] where this rank's unique ids sit in `used` (device)
+
+
+class DistStreamer(WeightStreamer):
+    """WeightStreamer over a ShardedHostStore: shard H2D, then an all-gather into the whole-layer slot."""
+
+    def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
+                 layer_slots: int = 2, before_read=None):
+        self.store, self.device, self.dtype, self.ctx = store, device, dtype, ctx
+        big = store.largest_padded_layer_numel()
+        self.layer_slots = [Slot(torch.empty(big, dtype=dtype, device=device)) for _ in range(layer_slots)]
+        self.head_slot = Slot(torch.empty(store.padded_numel("head"), dtype=dtype, device=device))
+        self.embed_slot: Slot | None = None
+        if store.adapter.tied:
+            self.embed_slot = Slot(torch.empty(store.padded_numel("embed"), dtype=dtype, device=device))
+        self._lru: list[Slot] = list(self.layer_slots)
+        self.stats = DistStats()
+        self.on_bind = None
+        self.before_read = before_read
+        self.rows: _RowPlan | None = None
+        self._stall = 0.0
+
+    def begin_step(self, order: list[str]) -> None:
+        self.stats.reset()
+        self.rows = None
+        self._stall = 0.0
+
+    def stall_seconds(self) -> float:
+        """Host seconds in weight transfers this step: on this synchronous path compute waits for all."""
+        return self._stall
+
+    def acquire(self, tile: str) -> torch.Tensor:
+        slot = self._slot_for(tile)
+        if slot in self._lru:
+            self._lru.remove(slot)
+            self._lru.append(slot)
+        if slot.tile != tile:
+            t0 = time.perf_counter()
+            self._gather(tile, slot)
+            self._stall += time.perf_counter() - t0
+            slot.tile = tile
+        flat = slot.flat(self.store.layouts[tile].numel)
+        if self.on_bind is not None:
+            self.on_bind(tile, flat)
+        return flat
+
+    def _gather(self, tile: str, slot: Slot) -> None:
+        if self.before_read is not None:
+            self.before_read(tile)
+        spec = self.store.shards[tile]
+        full = slot.buffer[:spec.padded]
+        mine = full[spec.start:spec.stop]
+        mine.copy_(self.store.tiles[tile].master)  # this rank's shard only, cast fp32 -> compute dtype
+        self.ctx.all_gather(full, mine)
+        size = slot.buffer.element_size()
+        self.stats.h2d_bytes += spec.shard * size
+        self.stats.gathered_bytes += spec.padded * size
+        self.stats.h2d_count[tile] = self.stats.h2d_count.get(tile, 0) + 1
+
+    def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of this rank's unique token ids (host int64, sorted), [u, H] in the compute
+        dtype on the device, in that order (see the module docstring for the collectives)."""
+        V, H = self.store.adapter.vocab_size, self.store.adapter.hidden_size
+        ids = uniq.to(self.device)
+        if self.store.adapter.tied:
+            return self.acquire("embed").view(V, H)[ids]
+        mark = torch.zeros(V, dtype=torch.int32, device=self.device)
+        mark[ids] = 1
+        self.ctx.all_reduce(mark)  # counts of ranks using each row
+        used = mark.nonzero().squeeze(1)
+        spec = self.store.shards["embed"]
+        rows_per, first = spec.shard // H, spec.start // H
+        bounds = torch.searchsorted(used, torch.tensor([first, first + rows_per], device=self.device))
+        lo, hi = (int(b) for b in bounds.tolist())
+        local = (used[lo:hi] - first).cpu()
+        buf = torch.zeros(used.numel(), H, dtype=self.dtype, device=self.device)
+        if self.before_read is not None:
+            self.before_read("embed")
+        buf[lo:hi] = self.store.tiles["embed"].master.view(rows_per, H)[local].to(self.device, self.dtype)
+        self.ctx.all_reduce(buf)  # one non-zero term per element: exact
+        self.rows = _RowPlan(used, lo, hi, local, torch.searchsorted(used, ids))
+        # (not in h2d_bytes: one process does not count its embedding rows there either)
+        self.stats.reduced_bytes += buf.numel() * buf.element_size() + mark.numel() * 4
+        return buf[self.rows.pos]
+
+    def device_bytes(self) -> int:
+        slots = [*self.layer_slots, self.head_slot] + ([self.embed_slot] if self.embed_slot else [])
+        return sum(s.buffer.numel() * s.buffer.element_size() for s in slots)
+
+
+class DistGradSink(GradSink):
+    """Gradients leave the device reduce-scattered: each rank's host grad section gets its shard of the
+    sum over ranks. Keeps this rank's share of the global squared norm (`take_sq_norm`)."""
+
+    def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext):
+        super().__init__(store, streamer.stats)
+        self.streamer, self.ctx = streamer, ctx
+        self._sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
+
+    def reset(self) -> None:
+        self._sq.zero_()
+
+    def take_sq_norm(self) -> torch.Tensor:
+        """This rank's shards' squared gradient norms, summed (device scalar), and reset for the next step."""
+        sq, self._sq = self._sq, torch.zeros_like(self._sq)
+        return sq
+
+    def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
+        """`grad`: this rank's fp32 gradient of the whole tile, padded (store.padded_numel). `sq_norm`, the
+        local unreduced norm, is not this rank's share of the global one: it is recomputed on the shard."""
+        spec = self.store.shards[tile]
+        if grad.numel() != spec.padded:
+            raise ValueError(f"{tile}: the gradient has {grad.numel()} elements, the sharded store needs "
+                             f"{spec.padded} (the tile padded to {spec.world} shards)")
+        mine = self.ctx.reduce_scatter(grad)
+        sq = torch.dot(mine, mine)
+        self._sq.add_(sq)
+        dst = self.store.tiles[tile].grad
+        dst.copy_(mine)
+        self.stats.d2h_bytes += mine.numel() * dst.element_size()
+        self.stats.reduced_bytes += grad.numel() * grad.element_size()
+        self._landed(tile, sq)
+
+    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor,
+                  sq_norm: torch.Tensor | None = None) -> None:
+        """This rank's row gradients of its unique ids `index` (the order embed_rows saw): summed over
+        ranks on the device; each rank keeps the rows it owns."""
+        plan = self.streamer.rows
+        if plan is None:
+            raise RuntimeError("send_rows before embed_rows in this step")
+        H = rows.shape[1]
+        buf = torch.zeros(plan.used.numel(), H, dtype=torch.float32, device=rows.device)
+        buf.index_copy_(0, plan.pos, rows.float())
+        self.ctx.all_reduce(buf)
+        mine = buf[plan.lo:plan.hi]
+        sq = mine.square().sum()
+        self._sq.add_(sq)
+        dst = self.store.tiles[tile].grad.view(-1, H)
+        dst.zero_()
+        dst.index_copy_(0, plan.local, mine.to("cpu", dst.dtype))
+        self.stats.d2h_bytes += mine.numel() * dst.element_size()
+        self.stats.reduced_bytes += buf.numel() * buf.element_size()
+        self._landed(tile, sq)

@@ -1,0 +1,176 @@
+"""Data-parallel layer streaming (issue #11) on the CPU: 2 processes on gloo must train exactly as one.
+
+Each rank holds half of every tile (store/sharded.py) and half of every step's micro-batches; layers
+are all-gathered, gradients reduce-scattered, the loss normalised by the global token count and the
+gradient norm all-reduced (engine/distributed.py). After 3 steps (gradient accumulation, clipping
+active) the gathered fp32 masters must equal a single-process Engine's on the same global batches,
+as tightly as tests/test_parity.py compares the engine with plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from megatrain_cli.engine.step import Engine
+from megatrain_cli.models.loader import build_store
+from megatrain_cli.optim.cpu_adamw import HostAdamW, lr_at
+from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.sharded import ShardedHostStore, build_sharded_store
+from tests.reference import random_batches, tiny_config
+
+STEPS, WORLD = 3, 2
+ADAM_EPS = 1e-6  # as test_parity: keeps the comparison above the fp32 summation-order noise floor
+MAX_NORM = 0.5  # below the gradient norms: clipping is active
+# (name, tied, layers, checkpoint interval, micro-batches per global step, overlap_optimizer, max_grad_norm)
+CASES = [
+    ("untied", False, 3, 2, 4, False, MAX_NORM),  # 2 micro-batches per rank
+    ("tied-uneven", True, 4, 3, 3, False, MAX_NORM),  # tied head (whole-table gather), ranks get 2 and 1
+    # The background optimizer worker: with the limit just under the first step's global norm (about 1.35),
+    # each rank's running sum of ITS shards' norms stays below it, so it speculates on every tile and has
+    # to correct them all after the verdict (the single process speculates on some).
+    ("untied-overlap", False, 3, 1, 2, True, 1.3),
+]
+
+
+def _cfg(accum: int, max_norm: float) -> TrainConfig:
+    return TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=max_norm, warmup_steps=1,
+                       grad_accum=accum, eps=ADAM_EPS)
+
+
+def _batches(vocab: int, accum: int):
+    return random_batches(vocab, STEPS, accum, batch=2, seq=16, seed=5)
+
+
+def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from megatrain_cli.engine.distributed import init_distributed, split_micro_batches
+
+    torch.set_num_threads(1)
+    ctx = init_distributed("cpu", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "0"
+    out = {}
+    for name, tied, layers, interval, accum, overlap, max_norm in CASES:
+        config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=layers)
+        store = build_sharded_store(config, torch.float32, rank, world, seed=3)
+        cfg = _cfg(accum, max_norm)
+        # One case runs the fallbacks for a gloo without all_gather_into_tensor / reduce_scatter_tensor.
+        ctx._gather_tensor_ok = ctx._scatter_tensor_ok = False if name == "tied-uneven" else None
+        engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval, loss_chunk_tokens=7,
+                        overlap_optimizer=overlap, dist=ctx)
+        if overlap:
+            engine.worker.last_clipped = False  # speculate from the first step (corrected: clipping is on)
+        results = []
+        for s, mbs in enumerate(_batches(config.vocab_size, accum)):
+            res = engine.step(split_micro_batches(mbs, rank, world), lr_at(s, cfg, STEPS))
+            results.append((res.loss, res.grad_norm, res.loss_tokens, res.tokens, res.skipped,
+                            res.h2d_bytes, len(res.losses), dict(res.speculation)))
+        engine.close()
+        state = {k: v.clone() for k, v in store.hf_state_dict().items()}  # a collective: every rank
+        out[name] = {"results": results, "state": state if rank == 0 else None,
+                     "tile_bytes": sum(t.nbytes for t in store.tiles.values()),
+                     "host_bytes": store.host_bytes(), "steps": {n: t.step for n, t in store.tiles.items()}}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _single(tied, layers, interval, accum, overlap, max_norm):
+    config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=layers)
+    store = build_store(config, torch.float32, seed=3)
+    cfg = _cfg(accum, max_norm)
+    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval, loss_chunk_tokens=7,
+                    overlap_optimizer=overlap)
+    if overlap:
+        engine.worker.last_clipped = False
+    results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(_batches(config.vocab_size, accum))]
+    engine.close()
+    return store, results
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    tmp = tmp_path_factory.mktemp("dist")
+    mp.spawn(_rank_main, args=(WORLD, str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
+    return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_two_ranks_train_like_one_process(ranks, case):
+    name, tied, layers, interval, accum, overlap, max_norm = case
+    store, single = _single(tied, layers, interval, accum, overlap, max_norm)
+    for rank, out in enumerate(ranks):
+        got = out[name]["results"]
+        assert got[0][6] == len(range(rank, accum, WORLD)), "this rank's share of the global batch"
+        for step, (ours, ref) in enumerate(zip(got, single)):
+            loss, norm, loss_tokens, tokens, skipped, *_ = ours
+            assert not skipped and not ref.skipped
+            assert ref.grad_norm > max_norm, "clipping must be active in this test"
+            assert norm == pytest.approx(ref.grad_norm, rel=1e-5), f"rank {rank} step {step}: global grad norm"
+            assert loss == pytest.approx(ref.loss, rel=1e-5), f"rank {rank} step {step}: global loss"
+            assert (loss_tokens, tokens) == (ref.loss_tokens, ref.tokens)
+        assert set(out[name]["steps"].values()) == {STEPS}
+        if overlap:  # every tile speculated in the first step, then corrected to the clipped update
+            assert got[0][7] == {"speculated": len(store.tiles), "corrected": len(store.tiles)}
+    ours = ranks[0][name]["state"]
+    theirs = store.hf_state_dict()
+    assert ours.keys() == theirs.keys()
+    for key, expected in theirs.items():
+        torch.testing.assert_close(ours[key], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    # Host state is sharded, not replicated: each rank holds half of the single-process tile bytes.
+    whole = sum(t.nbytes for t in store.tiles.values())
+    for out in ranks:
+        assert out[name]["tile_bytes"] == out[name]["host_bytes"]
+        assert 0.45 < out[name]["tile_bytes"] / whole <= 0.55, (out[name]["tile_bytes"], whole)
+    # ... and each rank's PCIe traffic is its shards: about half of one process's weight bytes.
+    for ours_r, ref in zip(ranks[0][name]["results"], single):
+        assert ours_r[5] < 0.6 * ref.h2d_bytes
+
+
+# ---------------------------------------------------------------- the sharded store alone (no processes)
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("tied", [False, True])
+def test_shards_tile_the_whole_store(world, tied):
+    config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=2)
+    whole = build_store(config, torch.float32, seed=3)
+    shards = [ShardedHostStore.from_full(whole, r, world) for r in range(world)]
+    built = [build_sharded_store(config, torch.float32, r, world, seed=3) for r in range(world)]
+    assert shards[0].layouts.keys() == whole.layouts.keys()
+    for name, tile in whole.tiles.items():
+        specs = [s.shards[name] for s in shards]
+        assert len({sp.shard for sp in specs}) == 1 and specs[0].padded >= tile.numel
+        if name == "embed":
+            assert specs[0].shard % config.hidden_size == 0, "embedding shards are whole rows"
+        assert sum(sp.decay for sp in specs) == tile.layout.decay_numel
+        assert sum(sp.valid for sp in specs) == tile.numel
+        for stores in (shards, built):  # build_sharded_store draws the same initial weights as one process
+            cat = torch.cat([s.tiles[name].master for s in stores])
+            assert torch.equal(cat[:tile.numel], tile.master) and not cat[tile.numel:].any(), "padding is zero"
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_host_adamw_on_shards_equals_the_whole_tile(world):
+    """Per-shard decay ranges: AdamW over the shards is AdamW over the whole tile, element for element."""
+    config = tiny_config("Qwen2ForCausalLM", layers=1)
+    whole = build_store(config, torch.float32, seed=3)
+    shards = [ShardedHostStore.from_full(whole, r, world) for r in range(world)]
+    opt = HostAdamW(TrainConfig(lr=1e-2, weight_decay=0.5, eps=1e-6))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        for name, tile in whole.tiles.items():
+            tile.grad.copy_(torch.randn(tile.numel, generator=g))
+            for s in shards:
+                spec = s.shards[name]
+                s.tiles[name].grad[:spec.valid].copy_(tile.grad[spec.start:spec.start + spec.valid])
+                opt.update(s.tiles[name], 1e-2, 0.7)
+            opt.update(tile, 1e-2, 0.7)
+    for name, tile in whole.tiles.items():
+        for section in ("master", "exp_avg", "exp_avg_sq"):
+            cat = torch.cat([getattr(s.tiles[name], section) for s in shards])
+            assert torch.equal(cat[:tile.numel], getattr(tile, section)), (name, section)
+            assert not cat[tile.numel:].any(), "the padding stays zero"
