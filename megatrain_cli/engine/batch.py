@@ -1,0 +1,49 @@
+"""What one step takes and gives: micro-batches in, a StepResult out, and the packed-row mask.
+
+Kept apart from step.py so that data code, benches and tests can build batches without importing
+the engine (and its CUDA, kernel and distributed dependencies).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+IGNORE_INDEX = -100
+# Long-context path: the largest block-causal mask (bool elements) a packed micro-batch may build, 4 GiB
+# (one 64K-token row); longer packed rows are refused with what to change instead of running out of memory.
+MAX_LONG_CONTEXT_MASK = 2**32
+
+
+@dataclass
+class MicroBatch:
+    input_ids: torch.Tensor  # [B, T] int64 (host)
+    labels: torch.Tensor  # [B, T], IGNORE_INDEX where no loss (unshifted, as HF)
+    position_ids: torch.Tensor | None = None  # [B, T]; resets to 0 where a packed document starts
+
+
+@dataclass
+class StepResult:
+    losses: list[float]  # mean loss per micro-batch (its own tokens)
+    loss: float  # token-weighted mean over the step
+    grad_norm: float
+    tokens: int  # input tokens processed
+    loss_tokens: int  # tokens that carried loss
+    skipped: bool = False
+    times: dict = field(default_factory=dict)  # phase -> seconds
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+    h2d_count: dict = field(default_factory=dict)
+    speculation: dict = field(default_factory=dict)  # tiles updated before the verdict / corrected
+
+
+def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Bool [B,1,T,T] mask (True = attend) for packed rows; None when every row is one document."""
+    starts = position_ids == 0
+    if int(starts[:, 1:].sum()) == 0:
+        return None
+    doc = starts.long().cumsum(-1)
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]
