@@ -110,13 +110,23 @@ def host_rss_bytes() -> int:
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
-def host_memory_bytes() -> int:
-    """Physical memory of the machine: MemTotal from /proc/meminfo (given there in kB)."""
+def meminfo_bytes(key: str) -> int:
+    """One field of /proc/meminfo (given there in kB), in bytes; 0 when the field is missing."""
     with open("/proc/meminfo") as f:
         for line in f:
-            if line.startswith("MemTotal:"):
+            if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("MemTotal not found in /proc/meminfo")
+    return 0
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of the machine (MemTotal)."""
+    return meminfo_bytes("MemTotal")
+
+
+def available_host_bytes() -> int:
+    """What can be allocated without swapping (MemAvailable)."""
+    return meminfo_bytes("MemAvailable")
 
 
 # ---------------------------------------------------------------- one step's metrics

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
+from megatrain_cli.metrics import available_host_bytes
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import HostStore
 
@@ -147,14 +148,6 @@ def resolve_keep_blocks(setting: int | str, budget_bytes: int | None, **plan_arg
     if plan_args.get("device_type", "cuda") != "cuda" or not budget_bytes:
         return 0
     return choose_keep_blocks(budget_bytes, **plan_args)
-
-
-def available_host_bytes() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 def preflight(plan: MemoryPlan, *, device: torch.device, device_budget: int | None = None) -> list[str]:

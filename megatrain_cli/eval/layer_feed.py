@@ -21,16 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from megatrain_cli.metrics import available_host_bytes
 from megatrain_cli.store.tiles import HostStore
-
-
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (given there in kB): what can be allocated without swapping."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("MemAvailable not found in /proc/meminfo")
 
 
 class HostLayerFeed:

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_cli.models.adapter import ModelAdapter
-from megatrain_cli.store.tiles import HostStore, Slot, Tile, TileLayout, allocate_tile, tile_bytes
+from megatrain_cli.store.tiles import (HostStore, LayoutQueries, Slot, Tile, TileLayout, allocate_tile,
+                                      tile_bytes)
 
 SHARD_ALIGN = 64  # elements
 
@@ -76,7 +77,7 @@ def shard_spec(layout: TileLayout, rank: int, world: int, unit: int = SHARD_ALIG
     return ShardSpec(layout.numel, shard, start, decay, world)
 
 
-class ShardedHostStore:
+class ShardedHostStore(LayoutQueries):
     """This rank's 1/N of every tile, with the whole tiles' layouts; the interface the engine uses."""
 
     def __init__(self, adapter: ModelAdapter, compute_dtype: torch.dtype, rank: int, world: int, *,
@@ -114,20 +115,9 @@ class ShardedHostStore:
         return out
 
     # ------------------------------------------------------------ what HostStore offers
-    @property
-    def layer_names(self) -> list[str]:
-        return [f"layers.{i}" for i in range(self.adapter.num_layers)]
-
-    def num_params(self) -> int:
-        """Parameters of the whole model (not of this rank's shards)."""
-        return sum(l.numel for l in self.layouts.values())
-
     def host_bytes(self) -> int:
         """This rank's tile bytes."""
         return sum(tile_bytes(s.shard, self.compute_dtype) for s in self.shards.values())
-
-    def largest_layer_numel(self) -> int:
-        return max(self.layouts[n].numel for n in self.layer_names)
 
     def padded_numel(self, tile: str) -> int:
         """Elements of the tile's gathered device buffer and gradient accumulator (whole tile + padding)."""
@@ -135,19 +125,6 @@ class ShardedHostStore:
 
     def largest_padded_layer_numel(self) -> int:
         return max(self.padded_numel(n) for n in self.layer_names)
-
-    def zero_state(self) -> None:
-        for t in self.tiles.values():
-            t.exp_avg.zero_()
-            t.exp_avg_sq.zero_()
-            t.grad.zero_()
-            t.step = 0
-
-    def hf_items(self):
-        """(hf_name, tile, slot) for every tensor, in store order; tied lm_head is not listed."""
-        for tname, layout in self.layouts.items():
-            for slot in layout.slots:
-                yield self.adapter.hf_name(tname, slot.name), tname, slot
 
     def master_view(self, tile: str, slot: Slot):
         raise RuntimeError("a sharded store holds no whole tensor: gather with hf_state_dict() / gather_tile(), "

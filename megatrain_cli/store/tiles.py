@@ -104,7 +104,39 @@ def allocate_tile(name: str, layout: TileLayout, grad_dtype: torch.dtype) -> Til
                 exp_avg_sq=section(2 * fp32, MASTER_DTYPE), grad=section(3 * fp32, grad_dtype))
 
 
-class HostStore:
+class LayoutQueries:
+    """What a store does from its layouts and tiles alone (shared by HostStore and the sharded store)."""
+
+    adapter: ModelAdapter
+    layouts: dict[str, TileLayout]
+    tiles: dict[str, Tile]
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"layers.{i}" for i in range(self.adapter.num_layers)]
+
+    def num_params(self) -> int:
+        """Parameters of the whole model (for a sharded store too: not just this rank's part)."""
+        return sum(l.numel for l in self.layouts.values())
+
+    def largest_layer_numel(self) -> int:
+        return max(self.layouts[n].numel for n in self.layer_names)
+
+    def zero_state(self) -> None:
+        for t in self.tiles.values():
+            t.exp_avg.zero_()
+            t.exp_avg_sq.zero_()
+            t.grad.zero_()
+            t.step = 0
+
+    def hf_items(self):
+        """(hf_name, tile, slot) for every tensor, in store order; tied lm_head is not listed."""
+        for tname, layout in self.layouts.items():
+            for slot in layout.slots:
+                yield self.adapter.hf_name(tname, slot.name), tname, slot
+
+
+class HostStore(LayoutQueries):
     """All tiles of one model, in streaming order: embed, layers.0 .. layers.L-1, head."""
 
     def __init__(self, adapter: ModelAdapter, compute_dtype: torch.dtype, allocate: bool = True):
@@ -119,33 +151,10 @@ class HostStore:
             for name, layout in self.layouts.items():
                 self.tiles[name] = allocate_tile(name, layout, compute_dtype)
 
-    @property
-    def layer_names(self) -> list[str]:
-        return [f"layers.{i}" for i in range(self.adapter.num_layers)]
-
-    def num_params(self) -> int:
-        return sum(l.numel for l in self.layouts.values())
-
     def host_bytes(self) -> int:
         return sum(tile_bytes(l.numel, self.compute_dtype) for l in self.layouts.values())
 
-    def largest_layer_numel(self) -> int:
-        return max(self.layouts[n].numel for n in self.layer_names)
-
-    def zero_state(self) -> None:
-        for t in self.tiles.values():
-            t.exp_avg.zero_()
-            t.exp_avg_sq.zero_()
-            t.grad.zero_()
-            t.step = 0
-
     # ------------------------------------------------------------ HF names
-    def hf_items(self):
-        """(hf_name, tile, slot) for every tensor, in store order; tied lm_head is not listed."""
-        for tname, layout in self.layouts.items():
-            for slot in layout.slots:
-                yield self.adapter.hf_name(tname, slot.name), tname, slot
-
     def master_view(self, tile: str, slot: Slot) -> torch.Tensor:
         t = self.tiles[tile]
         return t.master[slot.offset:slot.offset + slot.numel].view(slot.shape)
