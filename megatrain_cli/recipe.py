@@ -58,6 +58,9 @@ class DataConfig:
     packing: bool = doc("Pack several examples per row (block-causal attention, positions reset) so no "
                         "FLOPs go to padding.", True)
     num_proc: int = doc("Processes for tokenisation.", 1)
+    cache_dir: str = doc("Cache of tokenised examples (keyed by the data, tokenizer and template): 'auto' "
+                         "(~/.cache/megatrain/tokenized, or $MEGATRAIN_CACHE/tokenized), a directory, or 'off'.",
+                         "auto")
 
 
 @dataclass

@@ -13,3 +13,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tokenisation cache (megatrain_cli/data/token_cache.py): one fresh directory per test session, so
+# no test depends on what an earlier run left in ~/.cache.
+if "MEGATRAIN_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")

@@ -344,3 +344,40 @@ def test_works_without_the_datasets_package(tok, sample, monkeypatch, tmp_path):
     (tmp_path / "state.json").write_text("{}")  # looks like a saved data set
     with pytest.raises(DataError, match="needs the `datasets` package"):
         load_examples(cfg(tmp_path))
+
+
+def test_tokenisation_is_cached_on_disk_and_keyed_by_data_tokenizer_and_template(tok, sample, tmp_path,
+                                                                                  monkeypatch):
+    from megatrain_cli.data import token_cache
+
+    exs = sample[:50]
+    first = build_train_data(exs, tok, DataConfig(cache_dir=str(tmp_path)), seq_len=128, seed=0)
+    entries = list(tmp_path.glob("*.safetensors"))
+    assert len(entries) == 1
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenised again despite a cache entry")
+
+    monkeypatch.setattr(tokenize_module, "tokenize_batch", no_tokenizing)
+    again = build_train_data(exs, tok, DataConfig(cache_dir=str(tmp_path)), seq_len=128, seed=0)
+    assert torch.equal(again.tokens, first.tokens) and torch.equal(again.offsets, first.offsets)
+    # The same entry serves another seq_len (it holds untruncated ids).
+    shorter = build_train_data(exs, tok, DataConfig(cache_dir=str(tmp_path)), seq_len=64, seed=0)
+    assert shorter.num_examples <= first.num_examples
+    # Other data, another template: other keys, so these must tokenise (and fail here).
+    for other_exs, template in ((exs[:49], "auto"), (exs, "plain")):
+        assert token_cache.cache_key(other_exs, tok, template) != entries[0].stem
+        with pytest.raises(AssertionError, match="tokenised again"):
+            build_train_data(other_exs, tok, DataConfig(cache_dir=str(tmp_path), template=template),
+                             seq_len=128, seed=0)
+    monkeypatch.undo()
+    # A damaged entry is rebuilt, never trusted.
+    entries[0].write_bytes(b"not a safetensors file")
+    rebuilt = build_train_data(exs, tok, DataConfig(cache_dir=str(tmp_path)), seq_len=128, seed=0)
+    assert torch.equal(rebuilt.tokens, first.tokens)
+    # 'off' writes nothing; 'auto' writes under $MEGATRAIN_CACHE/tokenized.
+    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "env"))
+    build_train_data(exs, tok, DataConfig(cache_dir="off"), seq_len=128, seed=0)
+    assert not (tmp_path / "env").exists()
+    build_train_data(exs, tok, DataConfig(cache_dir="auto"), seq_len=128, seed=0)
+    assert len(list((tmp_path / "env" / "tokenized").glob("*.safetensors"))) == 1

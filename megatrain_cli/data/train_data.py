@@ -25,8 +25,8 @@ from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
 from megatrain_cli.data.packing import pack_rows
 from megatrain_cli.data.prompts import pad_id
-from megatrain_cli.data.tokenize import iter_tokenized
-from megatrain_cli.engine.step import IGNORE_INDEX, MicroBatch
+from megatrain_cli.data.token_cache import cached_tokenized
+from megatrain_cli.engine.batch import IGNORE_INDEX, MicroBatch
 from megatrain_cli.recipe import DataConfig
 
 STATE_VERSION = 1
@@ -164,7 +164,8 @@ def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, s
     lengths: list[int] = []
     prompt_lens: list[int] = []
     truncated = dropped = 0
-    for prompts, responses in iter_tokenized(examples, tokenizer, data_cfg.template, data_cfg.num_proc):
+    for prompts, responses in cached_tokenized(examples, tokenizer, data_cfg.template, data_cfg.num_proc,
+                                               data_cfg.cache_dir):
         kept = []
         for p, r in zip(prompts, responses):
             if len(p) >= seq_len:
