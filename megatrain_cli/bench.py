@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megatrain_cli.engine.plan import kept_block_ids, make_plan, preflight, resolve_keep_blocks
+from megatrain_cli.engine.long_context import GiB, fmt_bytes, plan_memory_lean, refusal
+from megatrain_cli.engine.plan import device_problem, host_problems, kept_block_ids, make_plan, resolve_keep_blocks
 from megatrain_cli.engine.schedule import blocks
 from megatrain_cli.engine.step import Engine, MicroBatch
 from megatrain_cli.metrics import host_rss_bytes, model_flops
@@ -27,6 +28,7 @@ from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.step_metrics import step_metrics
+from megatrain_cli.store.tiles import HostStore
 
 
 def parse_tokens(text: str | int) -> int:
@@ -87,11 +89,18 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                  device_budget: int | None = None, grad_slabs: int = 12, loss_chunk_tokens: int = 8192,
                  max_grad_norm: float | None = 1.0, device: str = "cuda", warmup: int = 1, log=print,
                  dashboard=None, frame_path: str | None = None, store=None, optimizer: bool = True,
-                 kernels: str = "auto") -> BenchResult:
+                 kernels: str = "auto", memory_fallback: bool = True) -> BenchResult:
     """Warm-up + timed steps of the engine. `dashboard` (a Dashboard) gets every step's metrics;
     `frame_path` receives the rendered text of the last step's rich frame; `store` reuses a host
     store built earlier (same preset), so several variants share one initialisation. `optimizer=False`
-    times forward + backward alone (the reference for "the optimizer costs < 5% of the step")."""
+    times forward + backward alone (the reference for "the optimizer costs < 5% of the step").
+
+    `device_budget`: the device bytes the plan must fit (default: the CUDA device's memory; on CPU none
+    unless given, and then it drives the plan as on a GPU). When the plan does not fit it for device
+    memory alone and `memory_fallback`, the step takes the memory-lean path (long_context.plan_memory_lean:
+    checkpoint interval 1, a smaller loss chunk, the MLP tiled where that helps, checkpoints in pinned host
+    memory as needed); DoesNotFit when that plan does not fit either (both plans' numbers), or for host
+    memory, or without the fallback."""
     p = PRESETS[preset]
     config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
     dev = torch.device(device)
@@ -108,9 +117,31 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     keep = resolve_keep_blocks(keep_activations, device_budget, **plan_args)
     plan = make_plan(**plan_args, keep_blocks=keep)
     log(plan.render())
-    problems = [] if store is not None else preflight(plan, device=dev, device_budget=device_budget)
+    # The host check only before the store exists (after, MemAvailable no longer has its bytes).
+    problems = host_problems(plan) if store is None else []
+    too_big = device_problem(plan, device=dev, device_budget=device_budget)
+    lean = None
+    if too_big and not problems and memory_fallback:
+        lean = plan_memory_lean(plan_args["adapter"], seq_len=seq, micro_batch_size=batch, grad_accum=grad_accum,
+                                dtype=dtype, device_type=dev.type, device_budget=device_budget, grad_slabs=grad_slabs,
+                                layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens,
+                                store_bytes_to_come=0 if store is not None else
+                                HostStore(plan_args["adapter"], dtype, allocate=False).host_bytes())
+        log(lean.render())
+        if not lean.fits:
+            raise DoesNotFit(f"the bench would not fit:\n  {too_big}\n  memory-lean path: {refusal(lean)}")
+        log(f"[bench] the plan above needs about {fmt_bytes(plan.device_total)} of the {fmt_bytes(device_budget)} "
+            f"device budget: memory-lean path ({lean.summary()})")
+    elif too_big:
+        problems.append(too_big)
     if problems:
         raise DoesNotFit("the bench would not fit:\n  " + "\n  ".join(problems))
+    alloc_conf = ""
+    if lean is not None:
+        from megatrain_cli.bench_long import _expandable_segments
+
+        alloc_conf = _expandable_segments(dev)  # multi-GiB activations of varying size fragment the allocator
+        checkpoint_interval, keep, loss_chunk_tokens = lean.checkpoint_interval, 0, lean.loss_chunk_tokens
     t0 = time.perf_counter()
     if store is None:
         store = build_store(config, dtype, seed=0)
@@ -120,11 +151,18 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     engine = Engine(store, cfg, device=dev, checkpoint_interval=checkpoint_interval,
                     loss_chunk_tokens=loss_chunk_tokens, layer_slots=layer_slots, grad_slabs=grad_slabs,
                     double_buffer=double_buffer, overlap_optimizer=overlap_optimizer and optimizer, speculate=speculate,
-                    keep_blocks=kept_block_ids(n_blocks, keep), kernels=kernels)
+                    keep_blocks=kept_block_ids(n_blocks, keep), kernels=kernels, long_context=lean)
+    t_pin = time.perf_counter()
+    pinned = engine.reserve_checkpoint_buffers([(batch, seq)] * grad_accum)  # 0 without a plan, and on CPU
+    t_pin = time.perf_counter() - t_pin
+    if pinned:
+        log(f"[bench] pinned {pinned / GiB:.1f} GiB for the offloaded checkpoints in {t_pin:.1f} s")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
     results, losses, stall = [], [], 0.0
     t_timed = None
+    off = engine.offloader
+    offload0 = (0, 0)
     for s in range(warmup + steps):
         mbs = [synthetic_batch(config.vocab_size, batch, seq, seed=s * 97 + k) for k in range(grad_accum)]
         if s == warmup:
@@ -132,6 +170,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
             t_timed = time.perf_counter()
+            if off is not None:
+                offload0 = (off.d2h_bytes, off.h2d_bytes)
         t_s = time.perf_counter()
         res = engine.step(mbs, 1e-5) if optimizer else engine.forward_backward(mbs)
         losses.append(res.loss)
@@ -162,8 +202,12 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                                                                             checkpoint_interval)[n_blocks - keep:])
     recomputed = (2.0 * layer_params * tokens + 2.0 * batch * grad_accum * seq * seq * config.hidden_size
                   * config.num_hidden_layers) * recomputed_layers / config.num_hidden_layers
-    h2d = sum(r.h2d_bytes for r in results) / wall / 1e9
-    d2h = sum(r.d2h_bytes for r in results) / wall / 1e9
+    if lean is not None and lean.mlp_tile_tokens and batch * seq > lean.mlp_tile_tokens:  # gate, up in the backward
+        recomputed += 4.0 * config.hidden_size * config.intermediate_size * tokens * config.num_hidden_layers
+    # On the memory-lean path the checkpoints' trips to host memory and back cross PCIe too.
+    ckpt_d2h, ckpt_h2d = (off.d2h_bytes - offload0[0], off.h2d_bytes - offload0[1]) if off is not None else (0, 0)
+    h2d = (sum(r.h2d_bytes for r in results) + ckpt_h2d) / wall / 1e9
+    d2h = (sum(r.d2h_bytes for r in results) + ckpt_d2h) / wall / 1e9
     split = {k: round(sum(r.times.get(k, 0.0) for r in results) / steps, 3)
              for k in ("forward", "head", "backward", "optimizer", "wait_optimizer")}
     split["gpu_stall_on_weights"] = round(stall / steps, 3)
@@ -176,9 +220,14 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
         bytes_per_param=store.host_bytes() / store.num_params(), h2d_gbps=h2d, d2h_gbps=d2h,
         overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=losses,
         notes=("NO OPTIMIZER (forward + backward only) " if not optimizer else "") +
+              (f"memory-lean path: {lean.summary()}; the short-context plan needs about "
+               f"{fmt_bytes(plan.device_total)}; {fmt_bytes(pinned)} pinned in {t_pin:.1f} s; checkpoint offload "
+               f"D2H {fmt_bytes(ckpt_d2h // steps)}/step, H2D {fmt_bytes(ckpt_h2d // steps)}/step, late gets "
+               f"{off.late_gets}; allocator {alloc_conf or 'n/a'}. " if lean is not None else "") +
               f"kernels={engine.kernels} checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
               f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} speculate={speculate} "
-              f"max_grad_norm={max_grad_norm} predicted_peak_GiB={plan.device_total / 2**30:.1f} "
+              f"max_grad_norm={max_grad_norm} "
+              f"predicted_peak_GiB={(lean.predicted_peak if lean else plan.device_total) / 2**30:.1f} "
               f"speculated={sum(r.speculation.get('speculated', 0) for r in results)} "
               f"corrected={sum(r.speculation.get('corrected', 0) for r in results)} "
               f"h2d_layer_transfers={sum(v for k, v in results[-1].h2d_count.items() if k.startswith('layers.'))}")

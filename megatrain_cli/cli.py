@@ -89,6 +89,9 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                                            "off, or auto (batch 1, no accumulation, seq >= 32k)."),
           sdpa: str = typer.Option("auto", help="Long-context SDPA backends: auto (cudnn, flash, efficient), or one."),
           kernels: str = typer.Option("auto", help="auto (Triton on CUDA), triton or torch (ablation)."),
+          no_memory_fallback: bool = typer.Option(False, help="Refuse a step whose plan does not fit the device "
+                                                  "budget instead of taking the memory-lean path (interval 1, "
+                                                  "checkpoints in pinned host memory as needed)."),
           dashboard: str = typer.Option("auto", help="Live view: auto, rich, plain or off."),
           frame: Optional[Path] = typer.Option(None, help="Write the last step's dashboard frame (text) here."),
           as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
@@ -114,8 +117,9 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         _fail(f"--keep-activations: expected auto or a number, got {keep_activations!r}")
     if max_gpu_mem is not None:
         budget = parse_bytes(max_gpu_mem)
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
+        if device == "cuda":  # on CPU the budget only drives the plan
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
     from megatrain_cli.dashboard import MODES, Dashboard
 
     if dashboard not in MODES:
@@ -150,7 +154,8 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                 overlap_optimizer=not no_overlap_optimizer, speculate=not no_speculation, device_budget=budget,
                 keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
                 max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device, kernels=kernels,
-                log=lambda m: typer.echo(m, err=True), dashboard=dash, frame_path=str(frame) if frame else None)]
+                memory_fallback=not no_memory_fallback, log=lambda m: typer.echo(m, err=True), dashboard=dash,
+                frame_path=str(frame) if frame else None)]
     except b.DoesNotFit as err:
         _fail(f"{err}\n(the plan above has each term; --max-gpu-mem sets the device budget)", 3)
     if "native" in baselines:
@@ -158,7 +163,8 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                                       log=lambda m: typer.echo(m, err=True)))
     if ds_result is not None:
         results.append(ds_result)
-    typer.echo(b.to_json(results) if as_json else b.format_table(results))
+    lean_notes = [f"notes ({r.name}): {r.notes}" for r in results if r.notes.startswith("memory-lean path")]
+    typer.echo(b.to_json(results) if as_json else "\n".join([b.format_table(results), *lean_notes]))
     if output:
         output.write_text(b.to_json(results))
 

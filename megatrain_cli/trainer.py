@@ -74,9 +74,9 @@ def device_budget(r: Recipe, device: torch.device) -> int | None:
 
 
 def build_plan(r: Recipe, config, device: torch.device, long_ctx=None):
-    """The memory plan. With a long-context plan its host figures stand, its device figures are the
-    short-context engine's (the long-context plan's replace them): interval and loss chunk are the long
-    plan's, and no block keeps its activations."""
+    """The memory plan. With a long-context (or memory-lean) plan its host figures stand, its device figures
+    are the short-context engine's (the long-context plan's replace them): interval and loss chunk are the
+    long plan's, and no block keeps its activations."""
     from megatrain_cli.engine.plan import make_plan, resolve_keep_blocks
     from megatrain_cli.models.adapter import ModelAdapter
 
@@ -87,8 +87,8 @@ def build_plan(r: Recipe, config, device: torch.device, long_ctx=None):
     if long_ctx is not None:
         args.update(checkpoint_interval=long_ctx.checkpoint_interval, loss_chunk_tokens=long_ctx.loss_chunk_tokens)
         plan = make_plan(**args, keep_blocks=0)
-        plan.notes.append("long-context path: the device figures above are the short-context engine's; the "
-                          "long-context plan replaces them")
+        plan.notes.append(f"{long_ctx.label} path: the device figures above are the short-context engine's; the "
+                          f"{long_ctx.label} plan replaces them")
         return plan
     keep = resolve_keep_blocks(r.engine.keep_activations, device_budget(r, device), **args)
     plan = make_plan(**args, keep_blocks=keep)
@@ -135,11 +135,43 @@ def long_context_plan(r: Recipe, config, device: torch.device, *, min_seq_len: i
                              min_seq_len=min_seq_len)
 
 
-def path_line(r: Recipe, long_ctx, min_seq_len: int | None = None) -> str:
-    """Which engine path the run takes, in one line."""
+def memory_lean_plan(r: Recipe, config, device: torch.device, short_plan):
+    """The memory-lean plan (engine/long_context.plan_memory_lean) when the short-context plan does not fit
+    the device budget (engine.max_gpu_mem, else the CUDA device's memory), else None. None too when the
+    budget is unknown (CPU without engine.max_gpu_mem, a dry run for CUDA without it) and when packed rows
+    would need a block-causal mask over the long-context path's limit (the short-context plan is refused
+    with its numbers then). Check .fits: a plan that does not fit either is returned for its numbers."""
+    from megatrain_cli.engine.long_context import plan_memory_lean
+    from megatrain_cli.engine.plan import device_problem
+    from megatrain_cli.engine.step import MAX_LONG_CONTEXT_MASK
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.store.tiles import HostStore
+
+    budget = device_budget(r, device)
+    if budget is None or not device_problem(short_plan, device=device, device_budget=budget):
+        return None
+    b, t = r.train.micro_batch_size, r.train.seq_len
+    if r.data.packing and b * t * t > MAX_LONG_CONTEXT_MASK:
+        return None
+    adapter, dtype = ModelAdapter(config), DTYPES[r.model.dtype]
+    return plan_memory_lean(adapter, seq_len=t, micro_batch_size=b, grad_accum=r.train.grad_accum, dtype=dtype,
+                            device_type=device.type, device_budget=budget, grad_slabs=r.engine.grad_slabs,
+                            loss_chunk_tokens=r.engine.loss_chunk_tokens,
+                            store_bytes_to_come=HostStore(adapter, dtype, allocate=False).host_bytes())
+
+
+def path_line(r: Recipe, long_ctx, min_seq_len: int | None = None, short_plan=None) -> str:
+    """Which engine path the run takes, in one line; `short_plan`: the short-context plan a memory-lean
+    plan replaces (its device figure is quoted)."""
     from megatrain_cli.engine.long_context import LONG_CONTEXT_MIN_SEQ
 
     threshold = LONG_CONTEXT_MIN_SEQ if min_seq_len is None else min_seq_len
+    if long_ctx is not None and long_ctx.label == "memory-lean":
+        from megatrain_cli.engine.long_context import fmt_bytes
+
+        need = f"needs about {fmt_bytes(short_plan.device_total)}" if short_plan is not None else "does not fit"
+        return (f"path: memory-lean engine (the short-context plan {need} of the {fmt_bytes(long_ctx.budget)} "
+                f"device budget): {long_ctx.summary()}, no kept activations")
     if long_ctx is None:
         return (f"path: short-context engine (train.seq_len {r.train.seq_len} < {threshold}; checkpoint interval "
                 f"{r.engine.checkpoint_interval})")
@@ -178,11 +210,19 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int |
     device = planned
     long_ctx = long_context_plan(r, config, device, min_seq_len=long_context_min_seq)
     plan = build_plan(r, config, planned, long_ctx)
+    short_plan = None
+    if long_ctx is None:
+        # A step the short-context plan does not fit takes the memory-lean path (interval 1, checkpoints in
+        # host memory as needed) instead of being refused.
+        lean = memory_lean_plan(r, config, planned, plan)
+        if lean is not None:
+            short_plan, long_ctx = plan, lean
+            plan = build_plan(r, config, planned, long_ctx)
     if dry_run:
         print("# resolved recipe")
         print(render_yaml(r))
         print(plan.render())
-        print(path_line(r, long_ctx, long_context_min_seq))
+        print(path_line(r, long_ctx, long_context_min_seq, short_plan))
         if long_ctx is not None:
             print(long_ctx.render())
             if not long_ctx.fits:
@@ -199,7 +239,15 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int |
 
         # The host checks only: the long-context plan's device peak replaces the generic device estimate.
         problems = preflight(plan, device=torch.device("cpu"))
-        if not long_ctx.fits:
+        if not long_ctx.fits and short_plan is not None:
+            from megatrain_cli.engine.long_context import fmt_bytes
+
+            problems.append(f"device memory: the short-context plan needs about {fmt_bytes(short_plan.device_total)} "
+                            f"of the {fmt_bytes(long_ctx.budget)} budget, and the memory-lean plan does not "
+                            f"fit either: {refusal(long_ctx)}. Use a smaller train.micro_batch_size, "
+                            f"train.grad_accum or train.seq_len, or a larger engine.max_gpu_mem; "
+                            f"`megatrain train RECIPE --dry-run` shows both plans.")
+        elif not long_ctx.fits:
             problems.append(f"long context: {refusal(long_ctx)}. Use a shorter train.seq_len, a smaller "
                             f"train.micro_batch_size or train.grad_accum, or a larger engine.max_gpu_mem; "
                             f"`megatrain train RECIPE --dry-run` shows the plan.")
@@ -278,7 +326,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
                      f"{data.num_rows} rows of {t.seq_len} tokens, host state "
                      f"{store.host_bytes() / 2**30:.2f} GiB")
             if long_ctx is not None:
-                dash.log(f"long-context path: {long_ctx.offloaded_checkpoints} of {long_ctx.num_checkpoints} "
+                dash.log(f"{long_ctx.label} path: {long_ctx.offloaded_checkpoints} of {long_ctx.num_checkpoints} "
                          f"checkpoints in host memory ({pinned / 2**30:.2f} GiB pinned), predicted device peak "
                          f"{long_ctx.predicted_peak / 2**30:.2f} GiB")
             t_run = time.perf_counter()

@@ -64,6 +64,9 @@ def main() -> int:
         try:
             r = b.bench_engine(args.model, batch_v, seq_v, args.steps, store=store, log=log, frame_path=frame,
                                **kwargs)
+        except b.DoesNotFit as err:
+            print(f"variant {name}: {err}", flush=True)
+            continue
         except torch.cuda.OutOfMemoryError as err:
             print(f"variant {name}: CUDA out of memory: {str(err).splitlines()[0]}", flush=True)
             gc.collect()

@@ -23,6 +23,11 @@ the MLP tiled (the untiled MLP would add 152 KB/token, 79 GB). A checkpoint is w
 Checkpoint interval is always 1: a block of k layers costs L/k checkpoints plus k layer graphs, and a
 layer graph is ~13 checkpoints, so one layer per block is the least memory for any L (and it streams
 each layer's weights the same twice per step as any interval up to the 2 weight slots).
+
+The same plan is the memory-lean fallback of any step shape (`plan_memory_lean`: batch > 1, several
+micro-batches, short sequences) whose short-context plan (engine/plan.py) does not fit the device: the
+step's tokens (every micro-batch) set the checkpoints and a recorded layer's saved tensors, one
+micro-batch's tokens the head's logits chunk, an MLP tile, SDPA's backward and the forward's temporaries.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ from typing import Any, Container, Hashable
 import torch
 
 GiB = 2**30
+
+
+def fmt_bytes(n: int) -> str:
+    """'22.57 GiB', or MiB below a tenth of a GiB (the tiny models of the tests)."""
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 or n == 0 else f"{n / 2**20:.2f} MiB"
+
 
 # ---------------------------------------------------------------------------------------------- shape
 
@@ -137,9 +148,17 @@ class LongContextPlan:
     phases: dict = field(default_factory=dict)  # phase -> {term: bytes}, on top of `fixed`
     host_budget: int | None = None
     notes: list = field(default_factory=list)
+    grad_accum: int = 1  # micro-batches per step, each of `batch` rows: the engine records them all at once
+    label: str = "long-context"  # or "memory-lean": the fallback of a short sequence (plan_memory_lean)
 
     @property
     def tokens(self) -> int:
+        """The step's tokens: every micro-batch's checkpoints and layer graph are alive together."""
+        return self.batch * self.grad_accum * self.seq_len
+
+    @property
+    def micro_tokens(self) -> int:
+        """One micro-batch's tokens: what the head's chunk loop, SDPA's backward and an MLP tile work on."""
         return self.batch * self.seq_len
 
     def phase_total(self, phase: str) -> int:
@@ -170,7 +189,8 @@ class LongContextPlan:
     def render(self) -> str:
         gib = lambda b: f"{b / GiB:7.2f} GiB"  # noqa: E731
         mlp = f"tiled by {self.mlp_tile_tokens} tokens" if self.mlp_tile_tokens else "untiled"
-        lines = [f"long-context plan: {self.batch} x {self.seq_len} tokens; device budget {gib(self.budget)}, "
+        accum = f" x {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
+        lines = [f"{self.label} plan: {self.batch} x {self.seq_len} tokens{accum}; device budget {gib(self.budget)}, "
                  f"planned to {gib(self.usable)}",
                  f"  checkpoint interval {self.checkpoint_interval}; MLP {mlp}; loss chunk "
                  f"{self.loss_chunk_tokens} tokens; RMSNorm {'lean' if self.lean_norms else 'HF'}",
@@ -188,23 +208,41 @@ class LongContextPlan:
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
+    def summary(self) -> str:
+        """The plan in one line (the trainer's path line, the bench's notes)."""
+        mlp = f"MLP tiled by {self.mlp_tile_tokens}" if self.mlp_tile_tokens else "MLP untiled"
+        return (f"checkpoint interval {self.checkpoint_interval}, {mlp}, loss chunk {self.loss_chunk_tokens}, RMSNorm "
+                f"{'lean' if self.lean_norms else 'HF'}, {self.offloaded_checkpoints} of {self.num_checkpoints} "
+                f"checkpoints offloaded to pinned host memory ({fmt_bytes(self.host_pinned_bytes)}), predicted "
+                f"device peak {fmt_bytes(self.predicted_peak)} of {fmt_bytes(self.budget)} ({self.peak_phase})")
 
-def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, device_budget_bytes: int,
+
+def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: int = 1, device_budget_bytes: int,
                       host_budget_bytes: int | None = None, dtype: torch.dtype = torch.bfloat16,
                       layer_slots: int = 2, mlp_tile_tokens: int = 8192, tile_mlp: bool | None = None,
                       loss_chunk_tokens: int = 4096, offload: bool | None = None, lean_norms: bool = False,
-                      headroom: float = 0.95) -> LongContextPlan:
-    """The activation plan for one micro-batch of `batch` x `seq_len` tokens (grad_accum 1: the engine
-    records every micro-batch's layer graph at once, so each more micro-batch adds its activations).
+                      headroom: float = 0.95, device_type: str = "cuda", fallback: bool = False) -> LongContextPlan:
+    """The activation plan for one step of `grad_accum` micro-batches of `batch` x `seq_len` tokens.
+
+    The engine runs the micro-batches as the inner loop: every micro-batch's checkpoints are kept per
+    block and one layer's recompute records the graphs of all of them before its backward, so the
+    checkpoints and a layer's saved tensors scale with the step's tokens; the head's logits chunk, an MLP
+    tile, SDPA's backward and the forward's temporaries work on one micro-batch at a time.
 
     tile_mlp: None tiles when the untiled MLP's activations would take over 10% of the budget, or when
     tiling avoids offloading. offload: None offloads as few checkpoints as keep the peak under
     `headroom` x the budget; True offloads all, False none. `host_budget_bytes`, when given, is the
     pinned host memory the offloaded checkpoints may take (what the host store leaves free).
+    `device_type` 'cuda' reserves 1 GiB for the CUDA context and library workspaces (nothing on CPU).
+    `fallback`: the memory-lean plan of a step the short-context plan does not fit (plan_memory_lean):
+    the loss chunk is halved (down to LEAN_MIN_LOSS_CHUNK) before checkpoints are offloaded, and the MLP
+    is tiled only when that offloads fewer checkpoints or is needed to fit.
     """
-    options = dict(batch=batch, device_budget_bytes=device_budget_bytes, host_budget_bytes=host_budget_bytes,
-                   dtype=dtype, layer_slots=layer_slots, mlp_tile_tokens=mlp_tile_tokens, tile_mlp=tile_mlp,
-                   loss_chunk_tokens=loss_chunk_tokens, offload=offload, headroom=headroom)
+    options = dict(batch=batch, grad_accum=grad_accum, device_budget_bytes=device_budget_bytes,
+                   host_budget_bytes=host_budget_bytes, dtype=dtype, layer_slots=layer_slots,
+                   mlp_tile_tokens=mlp_tile_tokens, tile_mlp=tile_mlp, loss_chunk_tokens=loss_chunk_tokens,
+                   offload=offload, headroom=headroom, reserve_bytes=GiB if device_type == "cuda" else 0,
+                   fallback=fallback)
     shape = ModelShape.of(model)
     plan = _choose(shape, seq_len, lean_norms=lean_norms, **options)
     _add_notes(plan)
@@ -229,74 +267,93 @@ def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **o
     return lean if lean.fits else plan
 
 
-def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = 4 * GiB) -> int:
+def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = 4 * GiB, available: int | None = None) -> int:
     """Host memory the offloaded checkpoints may pin, read now (after the host store is built, so it is
-    already counted): MemAvailable minus the engine's own pinned buffers (weight staging, gradient
-    slabs) minus a margin for the process (Python, the allocator, the data). Never below 0."""
-    available = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                available = int(line.split()[1]) * 1024
-                break
+    already counted): MemAvailable (or `available`) minus the engine's own pinned buffers (weight
+    staging, gradient slabs) minus a margin for the process (Python, the allocator, the data). Never
+    below 0."""
+    if available is None:
+        from megatrain_cli.metrics import available_host_bytes
+
+        available = available_host_bytes()
     return max(0, available - pinned_engine_bytes - margin_bytes)
 
 
 # `megatrain train`: sequences this long take the long-context path (plan_for_training).
 LONG_CONTEXT_MIN_SEQ = 32768
+# The memory-lean fallback halves the loss chunk down to this many tokens before it offloads checkpoints
+# (a [1024, vocab] logits GEMM still runs at full speed; an offloaded checkpoint costs pinned host memory
+# and two PCIe crossings per step).
+LEAN_MIN_LOSS_CHUNK = 1024
 
 
 def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad_accum: int, dtype: torch.dtype,
                       device_type: str, device_budget: int | None, grad_slabs: int = 12, layer_slots: int = 2,
                       loss_chunk_tokens: int = 4096, store_bytes_to_come: int = 0,
-                      min_seq_len: int = LONG_CONTEXT_MIN_SEQ) -> LongContextPlan | None:
+                      min_seq_len: int = LONG_CONTEXT_MIN_SEQ, host_available: int | None = None,
+                      fallback: bool = False) -> LongContextPlan | None:
     """The trainer's long-context plan, or None below `min_seq_len` (the short-context engine).
 
-    The engine records every micro-batch of a step at once, so the plan is for micro_batch_size x
-    grad_accum sequences. `device_budget` None: on CPU, what the host has free. The host budget is read
-    now: pass `store_bytes_to_come` = the host store's bytes when it is not built yet (a dry run).
+    The plan is for grad_accum micro-batches of micro_batch_size x seq_len tokens (the engine records every
+    micro-batch of a step at once). `device_budget` None: on CPU, what the host has free. The host budget
+    is read now (MemAvailable, or `host_available` bytes): pass `store_bytes_to_come` = the host store's
+    bytes when it is not built yet (a dry run). `fallback`: see plan_long_context (plan_memory_lean).
     """
     if seq_len < min_seq_len:
         return None
     width = torch.finfo(dtype).bits // 8
     big = max(sum(sp.numel for sp in adapter.layer_specs(i)) for i in range(adapter.num_layers))
     pinned = (2 + grad_slabs) * big * width if device_type == "cuda" else 0
-    host = max(0, host_budget_bytes(pinned) - store_bytes_to_come)
+    host = max(0, host_budget_bytes(pinned, available=host_available) - store_bytes_to_come)
     if device_budget is None:
         if device_type == "cuda":
             raise ValueError("the long-context plan needs the device's memory: set engine.max_gpu_mem (e.g. 140GiB) "
                              "when planning without the GPU")
-        device_budget = host_budget_bytes(0, 0)  # the CPU "device" is the host
-    return choose_plan(adapter, seq_len, batch=micro_batch_size * grad_accum, device_budget_bytes=device_budget,
-                       host_budget_bytes=host, dtype=dtype, layer_slots=layer_slots,
-                       loss_chunk_tokens=loss_chunk_tokens)
+        device_budget = host_budget_bytes(0, 0, available=host_available)  # the CPU "device" is the host
+    return choose_plan(adapter, seq_len, batch=micro_batch_size, grad_accum=grad_accum,
+                       device_budget_bytes=device_budget, host_budget_bytes=host, dtype=dtype,
+                       layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens, device_type=device_type,
+                       fallback=fallback)
+
+
+def plan_memory_lean(adapter: Any, **training) -> LongContextPlan:
+    """The memory-lean plan for any step shape (batch > 1, several micro-batches, short sequences): the
+    fallback when the short-context plan (engine/plan.make_plan) does not fit the device budget. The
+    long-context machinery at any length: checkpoint interval 1, a loss chunk halved until the head is
+    no longer what offloads checkpoints, the MLP tiled only where that helps, and as few checkpoints as
+    needed in pinned host memory (the host budget checked). Arguments: plan_for_training's, except
+    min_seq_len and fallback. The plan's label is 'memory-lean'; check plan.fits."""
+    plan = plan_for_training(adapter, **training, min_seq_len=0, fallback=True)
+    plan.label = "memory-lean"
+    return plan
 
 
 def refusal(plan: LongContextPlan) -> str:
     """Why `plan` does not fit, in one line ('' when it fits)."""
     reasons = []
     if plan.predicted_peak > plan.usable:
-        reasons.append(f"predicted device peak {plan.predicted_peak / GiB:.1f} GiB ({plan.peak_phase}) > "
-                       f"{plan.usable / GiB:.1f} GiB usable of {plan.budget / GiB:.1f} GiB with "
+        reasons.append(f"predicted device peak {fmt_bytes(plan.predicted_peak)} ({plan.peak_phase}) > "
+                       f"{fmt_bytes(plan.usable)} usable of {fmt_bytes(plan.budget)} with "
                        f"{plan.offloaded_checkpoints} of {plan.num_checkpoints} checkpoints offloaded")
     if plan.host_budget is not None and plan.host_pinned_bytes > plan.host_budget:
-        reasons.append(f"the offloaded checkpoints need {plan.host_pinned_bytes / GiB:.1f} GiB of pinned host "
-                       f"memory, {plan.host_budget / GiB:.1f} GiB is free after the host store")
+        reasons.append(f"the offloaded checkpoints need {fmt_bytes(plan.host_pinned_bytes)} of pinned host "
+                       f"memory, {fmt_bytes(plan.host_budget)} is free after the host store")
     return "; ".join(reasons)
 
 
-def _choose(shape: ModelShape, seq_len: int, *, batch, device_budget_bytes, host_budget_bytes, dtype,
-            layer_slots, mlp_tile_tokens, tile_mlp, loss_chunk_tokens, offload, headroom, lean_norms
-            ) -> LongContextPlan:
+def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget_bytes, host_budget_bytes, dtype,
+            layer_slots, mlp_tile_tokens, tile_mlp, loss_chunk_tokens, offload, headroom, lean_norms, reserve_bytes,
+            fallback) -> LongContextPlan:
     w = torch.finfo(dtype).bits // 8
-    tokens = batch * seq_len
+    micro = batch * seq_len  # one micro-batch: the head's chunks, an MLP tile and SDPA's backward work on it
+    tokens = micro * grad_accum  # the step: each checkpoint holds every micro-batch's hidden states
     usable = int(device_budget_bytes * headroom)
 
     def build(tiled: bool, chunk: int, offloaded: int) -> LongContextPlan:
         plan = LongContextPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_tile_tokens if tiled else None,
                                chunk, lean_norms, shape.layers, offloaded, tokens * shape.hidden * w,
-                               host_budget=host_budget_bytes)
-        plan.fixed, plan.phases = _terms(shape, plan, w, layer_slots)
+                               host_budget=host_budget_bytes, grad_accum=grad_accum)
+        plan.fixed, plan.phases = _terms(shape, plan, w, layer_slots, reserve_bytes)
         return plan
 
     def with_offload(tiled: bool, chunk: int) -> LongContextPlan:
@@ -309,23 +366,36 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, device_budget_bytes, host
                 break
         return plan
 
-    can_tile = tokens > mlp_tile_tokens  # below one tile the tiled MLP runs the plain forward anyway
-    if tile_mlp is None:
-        untiled_mlp = 7 * w * shape.intermediate * tokens  # 4 kept + 3 backward temporaries, per token
-        tiled = can_tile and untiled_mlp > 0.10 * device_budget_bytes
+    can_tile = micro > mlp_tile_tokens  # below one tile the tiled MLP runs the plain forward anyway
+    if fallback:
+        # Every loss chunk from the given one down to LEAN_MIN_LOSS_CHUNK (the logits chunk is the one term
+        # that does not scale with the step's tokens), tiled and not: the plan that fits with the fewest
+        # offloaded checkpoints, then untiled (no recomputed gate/up), then the largest chunk.
+        chunks = [min(loss_chunk_tokens, micro)]
+        while chunks[-1] // 2 >= LEAN_MIN_LOSS_CHUNK:
+            chunks.append(chunks[-1] // 2)
+        tilings = [False, True] if tile_mlp is None and can_tile else [bool(tile_mlp) and can_tile]
+        plan = min((with_offload(tiled, chunk) for tiled in tilings for chunk in chunks),
+                   key=lambda p: (not p.fits, p.offloaded_checkpoints, 0 if p.fits else p.predicted_peak,
+                                  p.mlp_tile_tokens is not None, -p.loss_chunk_tokens))
     else:
-        tiled = tile_mlp and can_tile
-    plan = with_offload(tiled, min(loss_chunk_tokens, tokens))
-    if tile_mlp is None and not tiled and can_tile and (plan.offloaded_checkpoints or not plan.fits):
-        plan = with_offload(True, plan.loss_chunk_tokens)  # tile before offloading: compute is cheaper than RAM
+        if tile_mlp is None:
+            untiled_mlp = w * shape.intermediate * (4 * tokens + 3 * micro)  # 4 kept per token, 3 bwd temporaries
+            tiled = can_tile and untiled_mlp > 0.10 * device_budget_bytes
+        else:
+            tiled = tile_mlp and can_tile
+        plan = with_offload(tiled, min(loss_chunk_tokens, micro))
+        if tile_mlp is None and not tiled and can_tile and (plan.offloaded_checkpoints or not plan.fits):
+            plan = with_offload(True, plan.loss_chunk_tokens)  # tile before offloading: compute is cheaper than RAM
     # The head is rarely the peak, but its logits chunk is the one term that does not scale with T.
     while plan.peak_phase.startswith("head") and plan.predicted_peak > usable and plan.loss_chunk_tokens > 512:
         plan = build(plan.mlp_tile_tokens is not None, plan.loss_chunk_tokens // 2, plan.offloaded_checkpoints)
     return plan
 
 
-def _terms(s: ModelShape, plan: LongContextPlan, w: int, layer_slots: int) -> tuple[dict, dict]:
-    T, H, V, U = plan.tokens, s.hidden, s.vocab, plan.checkpoint_bytes
+def _terms(s: ModelShape, plan: LongContextPlan, w: int, layer_slots: int, reserve_bytes: int
+           ) -> tuple[dict, dict]:
+    T, t, H, V, U = plan.tokens, plan.micro_tokens, s.hidden, s.vocab, plan.checkpoint_bytes
     on_device = s.layers - plan.offloaded_checkpoints
     staging = U if plan.offloaded_checkpoints else 0  # the put in flight, or the prefetched next one
     fixed = {
@@ -334,57 +404,71 @@ def _terms(s: ModelShape, plan: LongContextPlan, w: int, layer_slots: int) -> tu
         "embedding table (tied: the LM head)": V * H * w if s.tied else 0,
         "embedding rows of the batch": min(V, T) * H * w,
         "per-token ids, labels, positions, rotary cos/sin": T * (3 * 8 + 2 * s.head_dim * w),
-        "CUDA context + cuBLAS/cuDNN workspaces (reserve)": GiB,
+        "CUDA context + cuBLAS/cuDNN workspaces (reserve)": reserve_bytes,
         "checkpoint offload staging (one in flight)": staging,
     }
+    many = plan.grad_accum > 1
     phases = {}
+    mlp_rows = min(plan.mlp_tile_tokens, t) if plan.mlp_tile_tokens else t
     phases["forward (no autograd)"] = {
         "checkpoints on the device": on_device * U,
-        # The larger of the HF RMSNorm (fp32 upcast + fp32 normalised + the cast back; the lean one works
-        # in row chunks) and the rotary step (normed, q, q*cos, rotate_half(q), q_embed), plus the residual.
-        "one layer's temporaries": T * (max(2 * w * H if plan.lean_norms else (8 + w) * H, 5 * w * H)
-                                        + w * H + 2 * w * s.kv_dim),
+        # The layer's outputs for every micro-batch, and one micro-batch's temporaries: the larger of the
+        # HF RMSNorm (fp32 upcast + fp32 normalised + the cast back; the lean one works in row chunks), the
+        # rotary step (normed, q, q*cos, rotate_half(q), q_embed) and the MLP (act, up, their product; per
+        # tile when tiled), plus k and v.
+        "layer outputs" + (" (every micro-batch)" if many else ""): T * w * H,
+        "one layer's temporaries" + (" (one micro-batch)" if many else ""): (
+            max(t * (2 * w * H if plan.lean_norms else (8 + w) * H), t * 5 * w * H, 3 * w * s.intermediate * mlp_rows)
+            + t * 2 * w * s.kv_dim),
     }
     head_norm_kept = _norm_saved(H, w, plan.lean_norms, input_saved_elsewhere=True)
-    phases["head (final norm + chunked loss)"] = {
-        "checkpoints on the device": on_device * U,
-        "final hidden, its norm's saved tensors, normed, d_normed": T * (3 * w * H + head_norm_kept),
+    head = {"checkpoints on the device": on_device * U,
+            # The final hidden states of every micro-batch stay until the step's end; the gradients of the
+            # micro-batches done so far wait for the last layer's backward.
+            "final hidden" + (" (every micro-batch) + the earlier micro-batches' gradients" if many else ""):
+                T * w * H + (T - t) * w * H,
+            "its norm's saved tensors, normed, d_normed" + (" (one micro-batch)" if many else ""):
+                t * (2 * w * H + head_norm_kept)}
+    head.update({
         # Not at once: the chunk loop (logits w + fp32 log-softmax kept 4 + its fp32 gradients in and
         # out 4 + 4), then the final norm's backward (its gradient + HF's two fp32 temporaries).
         "loss chunk logits + fp32 log-softmax + grads, or norm backward": max(
-            plan.loss_chunk_tokens * V * (w + 12), T * (w * H + (0 if plan.lean_norms else 8 * H))),
+            plan.loss_chunk_tokens * V * (w + 12), t * (w * H + (0 if plan.lean_norms else 8 * H))),
         "LM head gradient (fp32 + head accumulator)": V * H * (4 + w if s.tied else 8),
-    }
+    })
+    phases["head (final norm + chunked loss)"] = head
     # Backward starts at the last layer: every other device checkpoint still waits for its turn.
     backward = {"checkpoints on the device": max(0, on_device - 1) * U,
                 "layer gradient (fp32 accumulator + autograd's + cast)": s.layer_numel * (4 + 2 * w),
                 "tied LM-head gradient (fp32, until the embedding backward)": V * H * 4 if s.tied else 0}
+    # Recorded for every micro-batch before the layer's backward (the engine's _record_layer).
     saved = layer_saved_bytes(s, T, w, mlp_tiled=plan.mlp_tile_tokens is not None, lean_norms=plan.lean_norms)
-    grads = 2 * T * H * w  # the incoming gradient (the engine keeps it) + the residual stream's gradient
+    grads = 2 * T * H * w  # the incoming gradients (the engine keeps them) + the residual stream's gradients
     # PyTorch's FlashAttention-2 backward: dq, dk, dv, an fp32 dq accumulator, and with GQA dk/dv
     # expanded to every query head before they are summed per group. cuDNN is taken to be no larger.
+    # The backward runs one micro-batch at a time.
     gqa = s.kv_heads != s.heads
-    sdpa_bwd = T * (w * s.q_dim + 2 * w * s.kv_dim + 4 * s.q_dim + (2 * w * s.q_dim if gqa else 0) + 4 * s.heads)
+    sdpa_bwd = t * (w * s.q_dim + 2 * w * s.kv_dim + 4 * s.q_dim + (2 * w * s.q_dim if gqa else 0) + 4 * s.heads)
     phases["layer backward, attention half"] = {
         **backward, **{k: v for k, v in saved.items() if k in _ATTENTION_HALF},
-        "gradients in flight (output, residual, attention output)": grads + T * w * s.q_dim,
+        "gradients in flight (output, residual, attention output)": grads + t * w * s.q_dim,
         "SDPA backward (flash-2 dq/dk/dv, fp32 dq accum" + (", GQA dk/dv expanded)" if gqa else ")"): sdpa_bwd,
     }
     if plan.mlp_tile_tokens:
-        mlp_work = (8 * min(plan.mlp_tile_tokens, T) * s.intermediate * w  # a tile's gate/act/up/product + grads
+        mlp_work = (8 * min(plan.mlp_tile_tokens, t) * s.intermediate * w  # a tile's gate/act/up/product + grads
                     + 3 * H * s.intermediate * (4 + w))  # fp32 weight-gradient accumulators + a tile's partials
         mlp_name = f"MLP backward: one {plan.mlp_tile_tokens}-token tile + fp32 weight accumulators"
     else:
-        mlp_work, mlp_name = 3 * T * s.intermediate * w, "MLP backward temporaries (untiled)"
+        mlp_work, mlp_name = 3 * t * s.intermediate * w, "MLP backward temporaries (untiled)"
     phases["layer backward, MLP half"] = {**backward, **saved, "gradients in flight (output, MLP input)": grads,
                                           mlp_name: mlp_work}
     return fixed, phases
 
 
 def _add_notes(plan: LongContextPlan) -> None:
-    if plan.tokens > 65536:
-        plan.notes.append(f"one document per row: a packed-row mask is [T, T] ({plan.tokens ** 2 / GiB:.0f} GiB "
-                          "as bool) and keeps SDPA off flash/cuDNN")
+    if plan.seq_len > 65536:
+        plan.notes.append(f"one document per row: a packed-row mask is [T, T] ({plan.seq_len ** 2 / GiB:.0f} GiB "
+                          "as bool per row) and keeps SDPA off flash/cuDNN")
     if plan.offloaded_checkpoints:
         plan.notes.append(f"checkpoints 0..{plan.offloaded_checkpoints - 1} go to pinned host memory: "
                           f"{plan.host_pinned_bytes / GiB:.1f} GiB on top of the host store; each crosses PCIe "

@@ -152,17 +152,28 @@ def resolve_keep_blocks(setting: int | str, budget_bytes: int | None, **plan_arg
 
 def preflight(plan: MemoryPlan, *, device: torch.device, device_budget: int | None = None) -> list[str]:
     """Problems that would make the run fail for memory, each with what to change; [] if it fits."""
-    problems = []
+    problem = device_problem(plan, device=device, device_budget=device_budget)
+    return host_problems(plan) + ([problem] if problem else [])
+
+
+def host_problems(plan: MemoryPlan) -> list[str]:
     need_host = plan.host_total + plan.pinned_total
     have_host = available_host_bytes()
     if have_host and need_host > 0.95 * have_host:
-        problems.append(f"host memory: the plan needs {need_host / GiB:.1f} GiB, {have_host / GiB:.1f} GiB is "
-                        f"available. Use a machine with more RAM or a smaller model; fewer gradient slabs "
-                        f"(engine.grad_slabs) save {plan.pinned_total / GiB:.1f} GiB at most.")
-    if device.type == "cuda":
-        total = device_budget or torch.cuda.get_device_properties(device).total_memory
-        if plan.device_total > 0.95 * total:
-            problems.append(f"device memory: the plan needs about {plan.device_total / GiB:.1f} GiB, the budget is "
-                            f"{total / GiB:.1f} GiB. Use a smaller train.micro_batch_size or train.seq_len, a "
-                            f"smaller engine.checkpoint_interval, or a smaller engine.loss_chunk_tokens.")
-    return problems
+        return [f"host memory: the plan needs {need_host / GiB:.1f} GiB, {have_host / GiB:.1f} GiB is "
+                f"available. Use a machine with more RAM or a smaller model; fewer gradient slabs "
+                f"(engine.grad_slabs) save {plan.pinned_total / GiB:.1f} GiB at most."]
+    return []
+
+
+def device_problem(plan: MemoryPlan, *, device: torch.device, device_budget: int | None = None) -> str:
+    """The device-memory problem ('' when the plan fits): against `device_budget` when given (on any
+    device: an explicit budget drives the plan on CPU too), else a CUDA device's total memory."""
+    if device_budget is None and device.type != "cuda":
+        return ""
+    total = device_budget or torch.cuda.get_device_properties(device).total_memory
+    if plan.device_total > 0.95 * total:
+        return (f"device memory: the plan needs about {plan.device_total / GiB:.1f} GiB, the budget is "
+                f"{total / GiB:.1f} GiB. Use a smaller train.micro_batch_size or train.seq_len, a "
+                f"smaller engine.checkpoint_interval, or a smaller engine.loss_chunk_tokens.")
+    return ""
