@@ -16,7 +16,8 @@ import torch
 from megatrain_cli.engine import kernel_patch
 from megatrain_cli.engine.batch import (  # noqa: F401 (MicroBatch, StepResult: re-exported for callers)
     IGNORE_INDEX, MAX_LONG_CONTEXT_MASK, MicroBatch, StepResult, block_causal_mask)
-from megatrain_cli.engine.long_context import CheckpointOffloader, LongContextPlan
+from megatrain_cli.engine.long_context import LongContextPlan
+from megatrain_cli.engine.offload import CheckpointOffloader
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
 from megatrain_cli.engine.tiling import SDPA_BACKENDS, sdpa_backend_context, slim_norms, tile_mlp
