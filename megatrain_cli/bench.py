@@ -83,6 +83,37 @@ def synthetic_batch(vocab: int, batch: int, seq: int, seed: int) -> MicroBatch:
     return MicroBatch(ids, ids.clone())
 
 
+def choose_bench_plan(plan_args: dict, keep_activations, device_budget: int | None, dev: torch.device, *,
+                      reused_store: bool, memory_fallback: bool, log=print):
+    """(short-context plan, kept blocks, memory-lean plan or None), from the shape alone: a run that cannot
+    fit is refused (DoesNotFit) before the host store (up to 14 bytes per parameter) is allocated."""
+    keep = resolve_keep_blocks(keep_activations, device_budget, **plan_args)
+    plan = make_plan(**plan_args, keep_blocks=keep)
+    log(plan.render())
+    # The host check only before the store exists (after, MemAvailable no longer has its bytes).
+    problems = [] if reused_store else host_problems(plan)
+    too_big = device_problem(plan, device=dev, device_budget=device_budget)
+    if too_big and not problems and memory_fallback:
+        adapter, dtype = plan_args["adapter"], plan_args["compute_dtype"]
+        lean = plan_memory_lean(adapter, seq_len=plan_args["seq_len"], micro_batch_size=plan_args["micro_batch_size"],
+                                grad_accum=plan_args["grad_accum"], dtype=dtype, device_type=dev.type,
+                                device_budget=device_budget, grad_slabs=plan_args["grad_slabs"],
+                                layer_slots=plan_args["layer_slots"], loss_chunk_tokens=plan_args["loss_chunk_tokens"],
+                                store_bytes_to_come=0 if reused_store else
+                                HostStore(adapter, dtype, allocate=False).host_bytes())
+        log(lean.render())
+        if not lean.fits:
+            raise DoesNotFit(f"the bench would not fit:\n  {too_big}\n  memory-lean path: {refusal(lean)}")
+        log(f"[bench] the plan above needs about {fmt_bytes(plan.device_total)} of the {fmt_bytes(device_budget)} "
+            f"device budget: memory-lean path ({lean.summary()})")
+        return plan, keep, lean
+    if too_big:
+        problems.append(too_big)
+    if problems:
+        raise DoesNotFit("the bench would not fit:\n  " + "\n  ".join(problems))
+    return plan, keep, None
+
+
 def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: int = 1,
                  checkpoint_interval: int = 4, layer_slots: int = 2, double_buffer: bool = True,
                  overlap_optimizer: bool = True, speculate: bool = True, keep_activations: int | str = "auto",
@@ -109,33 +140,11 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                       micro_batch_size=batch, seq_len=seq)
     if device_budget is None and dev.type == "cuda":
         device_budget = torch.cuda.get_device_properties(dev).total_memory
-    # The plan first, from the shape alone: a run that cannot fit is refused before the host store
-    # (up to 14 bytes per parameter) is allocated.
     plan_args = dict(adapter=ModelAdapter(config), compute_dtype=dtype, micro_batch_size=batch, seq_len=seq,
                      grad_accum=grad_accum, checkpoint_interval=checkpoint_interval, grad_slabs=grad_slabs,
                      layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens, device_type=dev.type)
-    keep = resolve_keep_blocks(keep_activations, device_budget, **plan_args)
-    plan = make_plan(**plan_args, keep_blocks=keep)
-    log(plan.render())
-    # The host check only before the store exists (after, MemAvailable no longer has its bytes).
-    problems = host_problems(plan) if store is None else []
-    too_big = device_problem(plan, device=dev, device_budget=device_budget)
-    lean = None
-    if too_big and not problems and memory_fallback:
-        lean = plan_memory_lean(plan_args["adapter"], seq_len=seq, micro_batch_size=batch, grad_accum=grad_accum,
-                                dtype=dtype, device_type=dev.type, device_budget=device_budget, grad_slabs=grad_slabs,
-                                layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens,
-                                store_bytes_to_come=0 if store is not None else
-                                HostStore(plan_args["adapter"], dtype, allocate=False).host_bytes())
-        log(lean.render())
-        if not lean.fits:
-            raise DoesNotFit(f"the bench would not fit:\n  {too_big}\n  memory-lean path: {refusal(lean)}")
-        log(f"[bench] the plan above needs about {fmt_bytes(plan.device_total)} of the {fmt_bytes(device_budget)} "
-            f"device budget: memory-lean path ({lean.summary()})")
-    elif too_big:
-        problems.append(too_big)
-    if problems:
-        raise DoesNotFit("the bench would not fit:\n  " + "\n  ".join(problems))
+    plan, keep, lean = choose_bench_plan(plan_args, keep_activations, device_budget, dev, reused_store=store is not None,
+                                         memory_fallback=memory_fallback, log=log)
     alloc_conf = ""
     if lean is not None:
         from megatrain_cli.bench_long import _expandable_segments
