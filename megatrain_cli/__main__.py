@@ -1,3 +1,4 @@
 from megatrain_cli.cli import main
 
-main()
+if __name__ == "__main__":  # spawned ranks (dist_train.py) import this module as __mp_main__
+    main()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -52,13 +53,20 @@ def train(ctx: typer.Context,
           dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved recipe and the memory "
                                        "plan, allocate nothing, exit."),
           force: bool = typer.Option(False, "--force", help="Run even when the pre-flight memory check "
-                                     "says it will not fit.")) -> None:
+                                     "says it will not fit."),
+          gpus: Optional[int] = typer.Option(None, "--gpus", help="Data-parallel ranks (one GPU each; CPU "
+                                             "processes on gloo without CUDA); train.grad_accum must be a "
+                                             "multiple. Under torchrun: its WORLD_SIZE.")) -> None:
     """Train with RECIPE, then key=value overrides, e.g. `train.lr=1e-5 engine.checkpoint_interval=2`."""
     overrides = list(ctx.args)
     try:
         r = load_recipe(recipe, overrides)
     except RecipeError as err:
         _fail(str(err))
+    if gpus is not None or "WORLD_SIZE" in os.environ:
+        from megatrain_cli.dist_train import train as train_dist
+
+        raise typer.Exit(train_dist(r, gpus, dry_run=dry_run, force=force))
     from megatrain_cli.trainer import run_training
 
     code = run_training(r, dry_run=dry_run, force=force)

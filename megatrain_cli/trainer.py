@@ -182,11 +182,12 @@ def path_line(r: Recipe, long_ctx, min_seq_len: int | None = None, short_plan=No
 
 
 def run_training(r: Recipe, *, dry_run: bool = False, force: bool = False,
-                 long_context_min_seq: int | None = None) -> int:
+                 long_context_min_seq: int | None = None, dist=None) -> int:
     """`long_context_min_seq`: train.seq_len from which the long-context path is taken (None:
-    LONG_CONTEXT_MIN_SEQ, 32768); tests lower it to run that path at a length a CPU trains quickly."""
+    LONG_CONTEXT_MIN_SEQ, 32768); tests lower it to run that path at a length a CPU trains quickly.
+    `dist`: this process is one data-parallel rank (a dist_train.RankSpec; dist_train.py launches them)."""
     try:
-        return _train(r, dry_run=dry_run, force=force, long_context_min_seq=long_context_min_seq)
+        return _train(r, dry_run=dry_run, force=force, long_context_min_seq=long_context_min_seq, dist=dist)
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.code
@@ -198,7 +199,7 @@ def run_training(r: Recipe, *, dry_run: bool = False, force: bool = False,
         return 2
 
 
-def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int | None = None) -> int:
+def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int | None = None, dist=None) -> int:
     from megatrain_cli.models.tokenizer import load_tokenizer
 
     if r.model.path is not None and not Path(r.model.path).is_dir():
@@ -254,10 +255,14 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int |
     if problems and not force:
         raise TrainingError("the run would not fit:\n  " + "\n  ".join(problems) +
                             "\n(--force runs it anyway)", 3)
+    if dist is not None:
+        from megatrain_cli.dist_train import start_rank
+
+        return _loop(r, device, tokenizer, config, plan, long_ctx, dist=start_rank(dist, r, device, long_ctx))
     return _loop(r, device, tokenizer, config, plan, long_ctx)
 
 
-def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
+def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) -> int:
     from megatrain_cli.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.data import build_train_data, load_examples, split_examples
@@ -269,9 +274,11 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
     from megatrain_cli.optim.cpu_adamw import lr_at
     from megatrain_cli.step_metrics import step_metrics
 
+    lead = dist is None or dist.rank == 0  # the one process that prints, logs and exports
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.yaml").write_text(render_yaml(r))
+    if lead:
+        (out / "recipe.yaml").write_text(render_yaml(r))
     t, e = r.train, r.engine
     examples = load_examples(r.data)
     train_ex, _ = split_examples(examples, r.data)
@@ -286,13 +293,19 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
     else:
         interval = e.checkpoint_interval
         keep = kept_block_ids(len(blocks(config.num_hidden_layers, interval)), plan.keep_blocks)
-    store = build_store(config, DTYPES[r.model.dtype], weights_path=r.model.path, seed=r.model.seed)
+    if dist is None:
+        store = build_store(config, DTYPES[r.model.dtype], weights_path=r.model.path, seed=r.model.seed)
+    else:
+        from megatrain_cli.store.sharded import build_sharded_store
+
+        store = build_sharded_store(config, DTYPES[r.model.dtype], dist.rank, dist.world,
+                                    weights_path=r.model.path, seed=r.model.seed, cpu_group=dist.cpu_group)
     engine = Engine(store, t, device=device, checkpoint_interval=interval,
                     loss_chunk_tokens=long_ctx.loss_chunk_tokens if long_ctx else e.loss_chunk_tokens,
                     grad_slabs=e.grad_slabs, double_buffer=e.double_buffer,
                     overlap_optimizer=e.overlap_optimizer and device.type == "cuda",
                     speculate=e.speculate_optimizer, keep_blocks=keep, long_context=long_ctx,
-                    kernels=e.kernels)
+                    kernels=e.kernels, **({} if dist is None else {"dist": dist}))
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
     start, skipped = 0, 0
@@ -304,7 +317,8 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
         state = load_checkpoint(store, ckpt)
         start, skipped = int(state["step"]), int(state.get("skipped_steps", 0))
         data.load_state_dict(state["data"])
-        print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
+        if lead:
+            print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
 
     stop = {"signal": None}
 
@@ -315,13 +329,18 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
 
     def checkpoint(step: int) -> None:
         engine.synchronize()  # pending host updates land before the masters are read
-        save_checkpoint(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},
-                        keep_last_n=r.checkpoint.keep_last_n, tokenizer=tokenizer)
+        if dist is not None:
+            from megatrain_cli.checkpoint import save_sharded_checkpoint as save
+        else:
+            save = save_checkpoint
+        save(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},
+             keep_last_n=r.checkpoint.keep_last_n, tokenizer=tokenizer)
 
-    jsonl = JsonlLog(out / "metrics.jsonl") if r.logging.jsonl else None
+    jsonl = JsonlLog(out / "metrics.jsonl") if r.logging.jsonl and lead else None
     code = 0
     try:
-        with Dashboard(r.logging.dashboard, total_steps=total, title=f"megatrain {r.output_dir}") as dash:
+        with Dashboard(r.logging.dashboard if lead else "off", total_steps=total,
+                       title=f"megatrain {r.output_dir}") as dash:
             dash.log(f"{store.num_params() / 1e6:.1f} M params on {device.type}, {total} steps, "
                      f"{data.num_rows} rows of {t.seq_len} tokens, host state "
                      f"{store.host_bytes() / 2**30:.2f} GiB")
@@ -333,6 +352,10 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
             for step in range(start, total):
                 t0 = time.perf_counter()
                 mbs = data.next_step(t.micro_batch_size, t.grad_accum)
+                if dist is not None:  # every rank draws the global batch and keeps its share
+                    from megatrain_cli.engine.distributed import split_micro_batches
+
+                    mbs = split_micro_batches(mbs, dist.rank, dist.world)
                 lr = lr_at(step, t, total)
                 res = engine.step(mbs, lr)
                 if res.skipped:
@@ -348,6 +371,10 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
                     if jsonl:
                         jsonl.write(m)
                 every = r.checkpoint.every_n_steps
+                if dist is not None:  # a signal seen by any rank stops them all after the same step
+                    from megatrain_cli.dist_train import agree_on_signal
+
+                    stop["signal"] = agree_on_signal(dist, stop["signal"])
                 if stop["signal"] is not None or (every and (step + 1) % every == 0 and step + 1 < total):
                     checkpoint(step + 1)
                 if stop["signal"] is not None:
@@ -357,7 +384,13 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
             engine.synchronize()
             if r.checkpoint.every_n_steps:
                 checkpoint(total)
-            if r.checkpoint.export_final:
+            if r.checkpoint.export_final and dist is not None:
+                from megatrain_cli.dist_train import export_sharded
+
+                final = export_sharded(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer)
+                if final is not None:
+                    dash.log(f"wrote {final}")
+            elif r.checkpoint.export_final:
                 from megatrain_cli.export import export_hf
 
                 final = export_hf(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer)
@@ -368,7 +401,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None) -> int:
         engine.close()
         if jsonl:
             jsonl.close()
-    if r.eval.enabled and r.checkpoint.export_final:
+    if r.eval.enabled and r.checkpoint.export_final and lead:
         from megatrain_cli.eval.run import run_eval
 
         # The engine's device buffers and the host store go first: eval's 'auto' mode measures free
