@@ -239,23 +239,33 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
         rel = f"tiles/{name}.safetensors"
         tiles.append({"name": name, "file": rel, **_write_tile(tile, tmp / rel)})
         _event("tile_written", name)
+    files = _write_side_files(tmp, store, state_bytes, tokenizer)
+    fsync_dir(tmp / "tiles")
+    manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": _model_summary(store),
+                "tiles": tiles, "files": files}
+    _seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
+    return final
+
+
+def _write_side_files(tmp: Path, store, state_bytes: bytes, tokenizer) -> dict[str, dict[str, int]]:
+    """trainer_state.json, config.json and the tokenizer, each fsynced; their manifest entries."""
     files = {TRAINER_STATE: write_file_durably(tmp / TRAINER_STATE, state_bytes)}
     store.adapter.config.save_pretrained(str(tmp))  # writes tmp/config.json
     files.update(seal_file(tmp / "config.json", tmp))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
         files.update(seal_tree(tmp / "tokenizer", tmp))
-    fsync_dir(tmp / "tiles")
+    return files
 
-    manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": _model_summary(store),
-                "tiles": tiles, "files": files}
+
+def _seal_and_publish(tmp: Path, final: Path, output_dir: Path, manifest: dict, keep_last_n: int) -> None:
+    """The manifest LAST (its presence means complete), then the atomic rename and the rotation."""
     write_file_durably(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     fsync_dir(tmp)
     _event("manifest_written")
     publish_dir(tmp, final)
     _event("published")
     _rotate(output_dir, max(1, keep_last_n), final)
-    return final
 
 
 def _step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
@@ -403,20 +413,10 @@ def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_st
     dist.all_gather_object(shards, tiles, group=group)
     if rank == 0:
         fsync_dir(tmp / "tiles")
-        files = {TRAINER_STATE: write_file_durably(tmp / TRAINER_STATE, state_bytes)}
-        store.adapter.config.save_pretrained(str(tmp))
-        files.update(seal_file(tmp / "config.json", tmp))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / "tokenizer"))
-            files.update(seal_tree(tmp / "tokenizer", tmp))
+        files = _write_side_files(tmp, store, state_bytes, tokenizer)
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": _model_summary(store),
                     "world": world, "tiles": [], "shards": shards, "files": files}
-        write_file_durably(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
-        fsync_dir(tmp)
-        _event("manifest_written")
-        publish_dir(tmp, final)
-        _event("published")
-        _rotate(output_dir, max(1, keep_last_n), final)
+        _seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
     dist.barrier(group=group)
     return final
 
