@@ -27,7 +27,7 @@ from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
-from megatrain_cli.step_metrics import step_metrics
+from megatrain_cli.step_metrics import step_metrics, streamed_step_flops
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -203,16 +203,12 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     wall = time.perf_counter() - t_timed
     step_time = wall / steps
     tokens = batch * seq * grad_accum
-    matmul_params = store.num_params() - store.layouts["embed"].numel + (
-        store.layouts["embed"].numel if store.adapter.tied else 0)
-    layer_params = sum(store.layouts[n].numel for n in store.layer_names)
-    flops = causal_lm_flops(matmul_params, batch * grad_accum, seq, config.hidden_size, config.num_hidden_layers)
     recomputed_layers = config.num_hidden_layers - sum(len(b) for b in blocks(config.num_hidden_layers,
                                                                             checkpoint_interval)[n_blocks - keep:])
-    recomputed = (2.0 * layer_params * tokens + 2.0 * batch * grad_accum * seq * seq * config.hidden_size
-                  * config.num_hidden_layers) * recomputed_layers / config.num_hidden_layers
-    if lean is not None and lean.mlp_tile_tokens and batch * seq > lean.mlp_tile_tokens:  # gate, up in the backward
-        recomputed += 4.0 * config.hidden_size * config.intermediate_size * tokens * config.num_hidden_layers
+    # The tiled MLP's extra gate/up FLOPs are per micro-batch of batch x seq tokens, as it tiles them.
+    tile = lean.mlp_tile_tokens if lean is not None and batch * seq > (lean.mlp_tile_tokens or 0) else None
+    flops, executed = streamed_step_flops(store, rows=batch * grad_accum, seq=seq, recomputed_layers=recomputed_layers,
+                                          mlp_tile_tokens=tile)
     # On the memory-lean path the checkpoints' trips to host memory and back cross PCIe too.
     ckpt_d2h, ckpt_h2d = (off.d2h_bytes - offload0[0], off.h2d_bytes - offload0[1]) if off is not None else (0, 0)
     h2d = (sum(r.h2d_bytes for r in results) + ckpt_h2d) / wall / 1e9
@@ -224,7 +220,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     result = BenchResult(
         name="megatrain", model=preset, batch=batch * grad_accum, seq=seq, steps=steps, step_time_s=step_time,
         tokens_per_s=tokens / step_time, model_tflops=flops / step_time / 1e12,
-        executed_tflops=(flops + recomputed) / step_time / 1e12, peak_device_bytes=peak_dev,
+        executed_tflops=executed / step_time / 1e12, peak_device_bytes=peak_dev,
         host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(),
         bytes_per_param=store.host_bytes() / store.num_params(), h2d_gbps=h2d, d2h_gbps=d2h,
         overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=losses,

@@ -22,10 +22,11 @@ import time
 
 import torch
 
-from megatrain_cli.bench import BenchResult, causal_lm_flops, peak_rss_bytes, synthetic_batch
+from megatrain_cli.bench import BenchResult, peak_rss_bytes, synthetic_batch
 from megatrain_cli.engine.long_context import GiB, choose_plan, host_budget_bytes, refusal
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.metrics import host_rss_bytes
+from megatrain_cli.step_metrics import streamed_step_flops
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
@@ -184,14 +185,10 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
     n = len(results)
     step_time = wall / n
     base["host_rss_bytes"] = host_rss_bytes()
-    layers, hidden = config.num_hidden_layers, config.hidden_size
-    matmul_params = store.num_params() - store.layouts["embed"].numel + (
-        store.layouts["embed"].numel if store.adapter.tied else 0)
-    layer_params = sum(store.layouts[name].numel for name in store.layer_names)
-    flops = causal_lm_flops(matmul_params, batch, seq, hidden, layers)
-    recomputed = 2.0 * layer_params * tokens + 2.0 * batch * seq * seq * hidden * layers  # every layer, once
-    if plan.mlp_tile_tokens and tokens > plan.mlp_tile_tokens:  # gate + up again in the MLP backward
-        recomputed += 4.0 * hidden * config.intermediate_size * tokens * layers
+    layers = config.num_hidden_layers
+    # Interval 1: every layer is recomputed once.
+    flops, executed = streamed_step_flops(store, rows=batch, seq=seq, recomputed_layers=layers,
+                                          mlp_tile_tokens=plan.mlp_tile_tokens)
     phases = {k: sum(r.times.get(k, 0.0) for r in results) / n for k in ("forward", "head", "backward", "optimizer")}
     split = {k: round(v, 3) for k, v in phases.items()}
     split["gpu_stall_on_weights"] = round(stall / n, 3)
@@ -210,7 +207,7 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
     ] if x)
     result = BenchResult(
         **base, steps=n, step_time_s=step_time, tokens_per_s=0.0 if failure else tokens / step_time,
-        model_tflops=flops / step_time / 1e12, executed_tflops=(flops + recomputed) / step_time / 1e12,
+        model_tflops=flops / step_time / 1e12, executed_tflops=executed / step_time / 1e12,
         peak_device_bytes=peak_dev, host_peak_rss_bytes=peak_rss_bytes(),
         bytes_per_param=store.host_bytes() / store.num_params(),
         h2d_gbps=(weights_h2d + stats["h2d"]) / wall / 1e9 if wall else None,

@@ -28,13 +28,36 @@ def measured_h2d_gbps(device_index: int, numel: int = 1 << 27, reps: int = 3) ->
     return reps * numel * 2 / (start.elapsed_time(end) / 1e3) / 1e9
 
 
+def matmul_params(store) -> int:
+    """Parameters that take part in matmuls: all but the embedding table, unless it is tied to the LM head."""
+    embed = store.layouts["embed"].numel
+    return store.num_params() - (0 if store.adapter.tied else embed)
+
+
+def streamed_step_flops(store, *, rows: int, seq: int, recomputed_layers: int,
+                        mlp_tile_tokens: int | None = None) -> tuple[float, float]:
+    """(model FLOPs, executed FLOPs) of one step over `rows` sequences of `seq` tokens. Model FLOPs: 6 x
+    matmul params x tokens + causal attention (metrics.model_flops). Executed adds the forward of every
+    recomputed layer (2 x its params x tokens + its attention) and, with a tiled MLP, the gate and up
+    projections its backward runs again."""
+    a = store.adapter
+    cfg = a.config
+    tokens = rows * seq
+    flops = model_flops(matmul_params(store), tokens, rows, seq, a.hidden_size, a.num_layers)
+    layer_params = sum(store.layouts[n].numel for n in store.layer_names) / a.num_layers
+    extra = (2.0 * layer_params * tokens + 2.0 * rows * seq * seq * a.hidden_size) * recomputed_layers
+    if mlp_tile_tokens and tokens > mlp_tile_tokens:
+        extra += 4.0 * a.hidden_size * int(cfg.intermediate_size) * tokens * a.num_layers
+    return flops, flops + extra
+
+
 def step_metrics(res, *, engine, step: int, total: int, lr: float, skipped: int, step_time: float,
                  seq_len: int, eta: float | None = None) -> StepMetrics:
     """`step` is 0-based here; the metrics carry it 1-based."""
     store, device = engine.store, engine.device
     adapter = store.adapter
-    matmul = store.num_params() - (0 if adapter.tied else store.layouts["embed"].numel)
-    flops = model_flops(matmul, res.tokens, res.tokens // seq_len, seq_len, adapter.hidden_size, adapter.num_layers)
+    flops = model_flops(matmul_params(store), res.tokens, res.tokens // seq_len, seq_len, adapter.hidden_size,
+                        adapter.num_layers)
     tflops = flops / step_time / 1e12
     cuda = device.type == "cuda"
     peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None

@@ -140,10 +140,6 @@ class CheckpointOffloader:
 
     def clear(self) -> None:
         """Drop every stored checkpoint and the pinned buffers (e.g. when the sequence length changes)."""
-        if self.cuda:
-            self.d2h.synchronize()
-            self.h2d.synchronize()
-        self._kept.clear()
-        self._entries.clear()
+        self.forget()
         self._buffers.clear()
         self._buffer_free.clear()
