@@ -8,6 +8,8 @@ after one warm-up call, through HostAdamW as the engine calls it:
   update   update(tile, lr, clip=1)        torch: fused AdamW over 16M-element chunks widened
                                            through an fp32 scratch; cpp: one pass reading bf16
   correct  correct(tile, lr, clip=0.3)     torch: elementwise ops over 1M-element chunks; cpp: one pass
+  weights  update_weights(tile, lr, 1)     cpp only: the weights of an update (deferred moments)
+  moments  update_moments(tile, 1)         cpp only: its moments, the pass that runs later
 The torch and C++ calls alternate within each repetition. G params/s = numel / time; GB/s = the bytes one pass must move (fp32 master, m, v read and written,
 grad read: 26 B/param with bf16 grads, 28 with fp32) / time, a floor on the traffic, the same for
 both paths (the torch path moves more). The state drifts over the calls; that does not change the
@@ -85,6 +87,13 @@ def main() -> None:
         secs = timed(fns, args.reps)
         for kernel, s in zip(opts, secs):
             rows.append((op, kernel, s, args.numel / s / 1e9, args.numel * bytes_per_param / s / 1e9, secs[0] / s))
+    # The deferred-moments split: bytes of each pass (grad read in its dtype, fp32 state), speed-up
+    # against the torch update (the pass the next forward waited for before).
+    split = HostAdamW(cfg, kernel="cpp", defer_moments=True)
+    torch_update = rows[0][2]
+    secs = timed([lambda: split.update_weights(tile, 1e-4, 1.0), lambda: split.update_moments(tile, 1.0)], args.reps)
+    for op, s, nbytes in zip(("weights", "moments"), secs, (16 + grad_dtype.itemsize, 16 + grad_dtype.itemsize)):
+        rows.append((op, "cpp", s, args.numel / s / 1e9, args.numel * nbytes / s / 1e9, torch_update / s))
     print(f"\n| op      | path  | median s | G params/s | GB/s (floor) | speed-up |")
     print(f"|---------|-------|----------|------------|--------------|----------|")
     for op, kernel, s, gps, gbs, speedup in rows:

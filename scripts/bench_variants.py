@@ -5,7 +5,11 @@
         --variant default: --variant nospec:speculate=False --variant keep0:keep_activations=0 --native
 
 A variant is NAME:key=value,key=value with bench_engine's keyword arguments (ints, floats, True/False,
-None or strings), plus batch= and seq= to change the shape (the store does not depend on it). Prints one table at the end; writes every result as JSON to --out.
+None or strings), plus batch= and seq= to change the shape (the store does not depend on it) and
+host_kernel=torch|cpp|auto and defer_moments=0|1 (the host AdamW code, as MEGATRAIN_HOST_KERNEL and
+MEGATRAIN_DEFER_MOMENTS set it, for that variant only).
+--deepspeed runs the ZeRO-3 Offload baseline after the variants (the store freed first), in its watched
+child process: on a host too small for it, the row says when and at what RSS it was killed. Prints one table at the end; writes every result as JSON to --out.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import ast
 import gc
 import json
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -21,6 +26,7 @@ from dataclasses import asdict
 import torch
 
 from megatrain_cli import bench as b
+from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV, resolve_kernel
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 
@@ -45,6 +51,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--variant", action="append", default=[])
     ap.add_argument("--native", action="store_true")
+    ap.add_argument("--deepspeed", action="store_true")
     ap.add_argument("--frame-dir", default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -61,9 +68,15 @@ def main() -> int:
         print(f"=== variant {name}: {kwargs}", flush=True)
         frame = f"{args.frame_dir}/{args.model}-{name}.txt" if args.frame_dir else None
         batch_v, seq_v = kwargs.pop("batch", args.batch), b.parse_tokens(kwargs.pop("seq", seq))
+        env = {k: str(kwargs.pop(key)) for key, k in (("host_kernel", KERNEL_ENV), ("defer_moments", DEFER_ENV))
+               if key in kwargs}
+        saved_env = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
         try:
             r = b.bench_engine(args.model, batch_v, seq_v, args.steps, store=store, log=log, frame_path=frame,
                                **kwargs)
+            defer = os.environ.get(DEFER_ENV, "1") != "0" and resolve_kernel() == "cpp"
+            r.notes += f" host_adamw={resolve_kernel()} defer_moments={defer}"
         except b.DoesNotFit as err:
             print(f"variant {name}: {err}", flush=True)
             continue
@@ -72,6 +85,12 @@ def main() -> int:
             gc.collect()
             torch.cuda.empty_cache()
             continue
+        finally:
+            for k, v in saved_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         r.name = name
         results.append(r)
         out[name] = asdict(r)
@@ -80,10 +99,17 @@ def main() -> int:
             json.dump(out, f, indent=2)
     del store
     gc.collect()
+    baselines = []
     if args.native:
-        r = b.bench_native(args.model, args.batch, seq, args.steps, log=log)
+        baselines.append(("native", lambda: b.bench_native(args.model, args.batch, seq, args.steps, log=log)))
+    if args.deepspeed:
+        from megatrain_cli.baselines.deepspeed_bench import bench_deepspeed
+
+        baselines.append(("deepspeed", lambda: bench_deepspeed(args.model, args.batch, seq, args.steps, log=log)))
+    for name, run in baselines:
+        r = run()
         results.append(r)
-        out["native"] = asdict(r)
+        out[name] = asdict(r)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
     print(b.format_table(results), flush=True)

@@ -113,3 +113,28 @@ def test_device_holds_at_most_two_layers_of_weights():
     # its bf16 cast and autograd's per-parameter grads = 1 each, the previous layer's still on the D2H
     # stream), small activations; far below the 24 layers a resident model would need.
     assert peak24 < 10 * layer_bytes, (peak24, layer_bytes)
+
+
+def test_cpp_host_kernel_and_deferred_moments_on_the_cuda_pipeline(monkeypatch):
+    """The C++ host AdamW with deferred moments (the gradients of step t+1 land through the pinned slabs
+    only after step t's moments pass) gives the single-pass C++ update's results bit for bit on clipped
+    steps, and the torch path's to fp32 rounding (bit-identical where torch's build contracts as the
+    kernel assumes: tests/test_host_kernels.py)."""
+    from megatrain_cli.optim import host_kernels
+    from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV
+
+    if not host_kernels.available():
+        pytest.skip("the C++ host kernel does not compile here")
+    runs = {}
+    for kernel, defer in (("torch", "0"), ("cpp", "0"), ("cpp", "1")):
+        monkeypatch.setenv(KERNEL_ENV, kernel)
+        monkeypatch.setenv(DEFER_ENV, defer)
+        with math_attention():
+            _, store, _, _, _, res = train("cuda", torch.bfloat16, layers=6, interval=3, max_grad_norm=1e-3)
+        runs[kernel + defer] = ([r.losses for r in res], store)
+    assert runs["cpp1"][0] == runs["cpp0"][0]
+    for name, tile in runs["cpp0"][1].tiles.items():
+        other, torch_path = runs["cpp1"][1].tiles[name], runs["torch0"][1].tiles[name]
+        for section in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(other, section), getattr(tile, section)), (name, section)
+        torch.testing.assert_close(tile.master, torch_path.master, rtol=1e-6, atol=2e-9)

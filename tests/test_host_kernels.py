@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatrain_cli.optim import host_kernels
-from megatrain_cli.optim.cpu_adamw import KERNEL_ENV, HostAdamW
+from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV, HostAdamW
 from megatrain_cli.recipe import TrainConfig
 
 CFG = TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -196,3 +196,54 @@ def test_the_kernel_releases_the_gil():
         torch.set_num_threads(threads)
         sys.setswitchinterval(interval)
     assert any(a < x < b for a, b in span for x in ticks), "no Python ran while the kernel did"
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clip", [1.0, 0.3])
+@pytest.mark.parametrize("numel,decay_numel", SIZES)
+def test_weights_then_moments_is_bit_identical_to_the_update(grad_dtype, clip, numel, decay_numel):
+    whole, split = HostAdamW(CFG, kernel="cpp", defer_moments=False), HostAdamW(CFG, kernel="cpp", defer_moments=True)
+    a = make_tile(numel, decay_numel, grad_dtype)
+    b = clone_tile(a)
+    for g in grads(numel, grad_dtype, 3):
+        a.grad.copy_(g)
+        b.grad.copy_(g)
+        whole.update(a, LR, clip)
+        moments = b.exp_avg.clone(), b.exp_avg_sq.clone()
+        split.update_weights(b, LR, clip)
+        assert torch.equal(b.exp_avg, moments[0]) and torch.equal(b.exp_avg_sq, moments[1])  # not yet
+        assert torch.equal(b.master, a.master)  # the weights are final after the first pass
+        split.update_moments(b, clip)
+        assert_state_equal(a, b)
+
+
+def test_defer_moments_choice(monkeypatch):
+    monkeypatch.delenv(DEFER_ENV, raising=False)
+    assert HostAdamW(CFG, kernel="cpp").defer_moments
+    assert not HostAdamW(CFG, kernel="torch").defer_moments  # the torch path has no split passes
+    monkeypatch.setenv(DEFER_ENV, "0")
+    assert not HostAdamW(CFG, kernel="cpp").defer_moments
+    with pytest.raises(RuntimeError):
+        HostAdamW(CFG, kernel="torch").update_weights(make_tile(8, 8, torch.float32), LR)
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_engine_with_deferred_moments_is_bit_identical(monkeypatch, speculate):
+    # Clipped steps defer every update (no speculation after a clipped step), so the moments of step t
+    # are written while step t+1 runs, and its gradients land only after them (GradSink.before_write).
+    from tests.test_speculation import train
+
+    monkeypatch.setenv(KERNEL_ENV, "cpp")
+    _, probe = train(1e9, overlap=False, steps=1)
+    max_norm = probe[0].grad_norm * 0.5  # every step clipped
+    monkeypatch.setenv(DEFER_ENV, "0")
+    whole, whole_res = train(max_norm, overlap=True, speculate=speculate, steps=4)
+    monkeypatch.setenv(DEFER_ENV, "1")
+    split, split_res = train(max_norm, overlap=True, speculate=speculate, steps=4)
+    assert [r.losses for r in split_res] == [r.losses for r in whole_res]
+    assert [r.grad_norm for r in split_res] == [r.grad_norm for r in whole_res]
+    for name, tile in whole.tiles.items():
+        other = split.tiles[name]
+        assert other.step == tile.step
+        for section in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(other, section), getattr(tile, section)), (name, section)

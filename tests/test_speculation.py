@@ -189,3 +189,51 @@ def test_the_first_step_does_not_speculate_by_default():
     _, res = train(1e9, overlap=True, first_step_speculates=False)
     assert res[0].speculation["speculated"] == 0
     assert all(r.speculation["speculated"] > 0 for r in res[1:])
+
+
+class _GatedMoments(HostAdamW):
+    """Deferred moments whose pass waits for the test's go-ahead; records the order of the passes."""
+
+    def __init__(self, cfg):
+        super().__init__(cfg, kernel="torch")
+        self.defer_moments, self.go, self.log = True, __import__("threading").Event(), []
+
+    def update_weights(self, tile, lr, clip=1.0):
+        self.log.append(("weights", tile.name))
+        tile.step += 1
+
+    def update_moments(self, tile, clip=1.0):
+        self.go.wait()
+        self.log.append(("moments", tile.name))
+
+
+def test_deferred_moments_free_the_weights_first_and_the_gradient_last():
+    store = make_store()
+    for name, tile in store.tiles.items():
+        tile.name = name
+    order = ["embed", *store.layer_names, "head"]
+    opt = _GatedMoments(TrainConfig(lr=1e-3))
+    worker = OptimizerWorker(opt, store, forward_order=order, max_grad_norm=1.0, speculate=False)
+    worker.begin_step(1e-3)
+    for name in reversed(order):
+        worker.landed(name, 1e-6)
+    worker.resolve(0.5, finite=True)
+    for name in order:
+        worker.wait(name)  # the next forward's weights: ready while every moments pass is held back
+    assert [k for k, _ in opt.log] == ["weights"] * len(order)
+    assert [t for _, t in opt.log] == order
+    assert not worker._done["head"].is_set()  # its gradient may not be replaced yet (wait_state blocks)
+    opt.go.set()
+    worker.wait_state("embed")
+    worker.close()
+    # the moments in the order the next backward lands gradients: head first, embedding last
+    assert [t for k, t in opt.log if k == "moments"] == list(reversed(order))
+
+
+def test_the_engine_makes_the_gradient_lander_wait_for_deferred_moments():
+    store = make_store()
+    engine = Engine(store, TrainConfig(lr=1e-3), device=torch.device("cpu"), overlap_optimizer=True)
+    try:
+        assert engine.sink.before_write == engine.worker.wait_state
+    finally:
+        engine.close()

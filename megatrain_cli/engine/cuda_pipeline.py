@@ -197,9 +197,12 @@ class CudaGradSink(GradSink):
             if item is None:
                 self._work.task_done()
                 return
-            slab_index, event, dst, n, last = item
+            slab_index, event, tile, dst, n, last = item
             try:
                 event.synchronize()  # Slab-Full: this slab's D2H is done
+                # The previous step's deferred moments may still read this gradient: a host wait here
+                # holds this slab (and, if it lasts, the compute stream once all K are in flight).
+                self._await_tile(tile)
                 dst.copy_(self.slabs[slab_index][:n])
                 if last is not None:  # the tile's final chunk: its gradient is complete on the host
                     tile, sq_host = last
@@ -231,7 +234,7 @@ class CudaGradSink(GradSink):
                 full = torch.cuda.Event()
                 full.record(self.d2h)
                 last = (tile, sq_host) if hi == grad.numel() else None
-                self._work.put((i, full, dst[lo:hi], hi - lo, last))
+                self._work.put((i, full, tile, dst[lo:hi], hi - lo, last))
             low.record_stream(self.d2h)
         self.stats.d2h_bytes += grad.numel() * self.slabs[0].element_size()
 

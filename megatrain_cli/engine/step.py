@@ -110,6 +110,11 @@ class Engine:
             self.sink = GradSink(store, self.streamer.stats)
         if self.worker is not None:
             self.sink.on_landed = self.worker.landed  # AdamW starts on a tile as soon as its gradient lands
+            self.sink.before_write = self.worker.wait_state  # deferred moments read the old gradient
+            if dist is not None:  # the sharded sink does not call before_write yet: no deferred moments
+                self.optimizer.defer_moments = False
+        else:
+            self.optimizer.defer_moments = False  # nothing would run the moments pass
         self.redirect = WeightRedirect(self.streamer.resident)
         self.streamer.on_bind = self.redirect.bind
         self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks)

@@ -125,13 +125,21 @@ class GradSink:
         # (tile, squared norm of its gradient) -> None, called once the gradient is in the host tile
         # (the optimizer worker starts on it then).
         self.on_landed = None
+        # tile -> None, blocks until the tile's host gradient may be replaced (the optimizer worker's
+        # deferred moments still read the previous step's); called before every write into it.
+        self.before_write = None
 
     def _landed(self, tile: str, sq_norm) -> None:
         if self.on_landed is not None:
             self.on_landed(tile, float(sq_norm))
 
+    def _await_tile(self, tile: str) -> None:
+        if self.before_write is not None:
+            self.before_write(tile)
+
     def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
         dst = self.store.tiles[tile].grad
+        self._await_tile(tile)
         dst.copy_(grad)
         self.stats.d2h_bytes += grad.numel() * dst.element_size()
         self._landed(tile, sq_norm if sq_norm is not None else 0.0)
@@ -141,6 +149,7 @@ class GradSink:
         """Sparse embedding gradient: only the rows the batch touched are non-zero."""
         self.finish()
         dst = self.store.tiles[tile].grad.view(-1, rows.shape[1])
+        self._await_tile(tile)
         dst.zero_()
         dst.index_copy_(0, index.cpu(), rows.to("cpu", dst.dtype))
         self.stats.d2h_bytes += rows.numel() * dst.element_size()

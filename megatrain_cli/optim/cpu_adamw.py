@@ -16,6 +16,11 @@ kernel of host_kernels.py, one pass that reads bf16 gradients directly; its upda
 to the torch path's; required: an error if it does not compile) or 'auto' (the C++ kernel if it
 compiles, else the torch path, with one warning). Unset, it comes from MEGATRAIN_HOST_KERNEL, else
 'torch'. rollback always runs the torch ops.
+
+`defer_moments` (the C++ kernel only): `update_weights` stores an update's weights and leaves its moments
+to `update_moments`, which must run before anything else reads the tile's moments or replaces its
+gradient. Bit-identical to `update`; what it buys is a smaller pass where the next forward waits
+(worker.py). Unset, it comes from MEGATRAIN_DEFER_MOMENTS (1/0), else on with the C++ kernel.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
 
 KERNELS = ("torch", "cpp", "auto")
 KERNEL_ENV = "MEGATRAIN_HOST_KERNEL"
+DEFER_ENV = "MEGATRAIN_DEFER_MOMENTS"
 _warned_fallback = False
 
 
@@ -86,7 +92,7 @@ def resolve_kernel(kernel: str | None = None) -> str:
 
 
 class HostAdamW:
-    def __init__(self, cfg: TrainConfig, kernel: str | None = None):
+    def __init__(self, cfg: TrainConfig, kernel: str | None = None, defer_moments: bool | None = None):
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         self.eps = cfg.eps
         self.weight_decay = cfg.weight_decay
@@ -97,6 +103,9 @@ class HostAdamW:
             from megatrain_cli.optim import host_kernels
 
             self._cpp = host_kernels
+        if defer_moments is None:
+            defer_moments = os.environ.get(DEFER_ENV, "1").strip() not in ("0", "false", "no", "off")
+        self.defer_moments = bool(defer_moments) and self._cpp is not None
 
     def _fused(self, master, grad, m, v, step: float, lr: float, wd: float, clip: float) -> None:
         torch._fused_adamw_(
@@ -167,6 +176,23 @@ class HostAdamW:
                 m.add_(g, alpha=(1.0 - self.beta1) * (clip - 1.0))
                 v.addcmul_(g, g, value=(1.0 - self.beta2) * (clip * clip - 1.0)).clamp_min_(0.0)
                 p.addcdiv_(m, v.sqrt().div_(bc2_sqrt).add_(self.eps), value=-step_size)
+
+    def update_weights(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
+        """`update`'s new weights (and step count); its moments wait for update_moments (defer_moments)."""
+        if not self.defer_moments:
+            raise RuntimeError("update_weights needs defer_moments (the C++ host kernel)")
+        step = float(tile.step + 1)
+        for start, end, wd in self._sections(tile):
+            self._cpp.update_weights(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
+                                     tile.exp_avg_sq[start:end], step=step, lr=lr, beta1=self.beta1,
+                                     beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip)
+        tile.step += 1
+
+    def update_moments(self, tile: Tile, clip: float = 1.0) -> None:
+        """The moments of the update_weights just done on this tile, from the same gradient and clip."""
+        for start, end, _ in self._sections(tile):
+            self._cpp.update_moments(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
+                                     tile.exp_avg_sq[start:end], beta1=self.beta1, beta2=self.beta2, clip=clip)
 
     def update(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
         """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is)."""

@@ -16,6 +16,13 @@ Two entry points over contiguous flat sections of a tile, each ONE pass over the
                  ones and the gradient as update(c) sees it (g / fp32(1/c)); the weight swaps the
                  old Adam step (recomputed bit-identically from the stored m, v) for the new one.
                  Exact to fp32 rounding (about one ulp), like the torch path.
+  adamw_weights  the update's weights only: m and v are computed in registers as adamw_update
+  adamw_moments  computes them, the weight from them, and only the weight is stored (reads p, m, v,
+                 g: 14 bytes/param with a bf16 gradient, writes 4, against the update's 26 in all).
+                 adamw_moments then stores the same m and v (reads m, v, g, writes m, v). Together
+                 bit-identical to adamw_update (the same expressions, the same vector/tail split); apart,
+                 the weights the next forward needs are ready after the smaller pass, and the moments
+                 pass runs later, off the critical path (worker.py: deferred moments).
 
 Vector code: AVX2 + FMA, chosen at run time (__builtin_cpu_supports) through per-function target
 attributes, so the cached build never assumes the CPU it was built on (no -march=native); other
@@ -95,21 +102,28 @@ template <> inline float load_g<uint16_t>(const uint16_t* g, int64_t i) { return
 // ---------------------------------------------------------------- scalar (any CPU; also the tails)
 // kTail: the formula of torch's scalar tail (the last numel % 8 elements of a call), whose build
 // contracts the v update differently from its vector loop.
-template <bool kTail = false, typename G>
+// What an update pass stores: everything (kFull), the weight only (kWeights), the moments only (kMoments).
+enum Mode { kFull = 0, kWeights = 1, kMoments = 2 };
+
+template <int kMode = kFull, bool kTail = false, typename G>
 inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k) {
   for (int64_t i = 0; i < n; ++i) {
     float g = load_g(gp, i);
     if (k.scaled) g = g / k.scale;
-    float pv = p[i];
-    if (k.wd) pv = pv * k.decay;
     float mv = m[i];
     mv = k.small_lerp ? std::fma(k.w1, g - mv, mv) : std::fma(k.w1m1, g - mv, g);
     // torch's build contracts these (the vector loop's and the tail's differently) to FMAs
     float vv = kTail ? std::fma(v[i], k.beta2, (k.c2 * g) * g) : std::fma(k.c2 * g, g, v[i] * k.beta2);
-    m[i] = mv;
-    v[i] = vv;
-    float d = std::sqrt(vv) / k.bc2s + k.eps;
-    p[i] = pv + (k.neg_step * mv) / d;
+    if constexpr (kMode != kWeights) {
+      m[i] = mv;
+      v[i] = vv;
+    }
+    if constexpr (kMode != kMoments) {
+      float pv = p[i];
+      if (k.wd) pv = pv * k.decay;
+      float d = std::sqrt(vv) / k.bc2s + k.eps;
+      p[i] = pv + (k.neg_step * mv) / d;
+    }
   }
 }
 
@@ -137,7 +151,7 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* g) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-template <typename G>
+template <int kMode, typename G>
 __attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, float* m, float* v,
                                                     int64_t n, const Consts& k) {
   const __m256 beta2 = _mm256_set1_ps(k.beta2), w1 = _mm256_set1_ps(k.w1), w1m1 = _mm256_set1_ps(k.w1m1);
@@ -148,19 +162,23 @@ __attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, floa
   for (; i + 8 <= n; i += 8) {
     __m256 g = load8(gp + i);
     if (k.scaled) g = _mm256_div_ps(g, scale);
-    __m256 pv = _mm256_loadu_ps(p + i);
-    if (k.wd) pv = _mm256_mul_ps(pv, decay);
     __m256 mv = _mm256_loadu_ps(m + i);
     __m256 diff = _mm256_sub_ps(g, mv);
     mv = k.small_lerp ? _mm256_fmadd_ps(w1, diff, mv) : _mm256_fmadd_ps(w1m1, diff, g);
     __m256 vv = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(_mm256_loadu_ps(v + i), beta2));
-    _mm256_storeu_ps(m + i, mv);
-    _mm256_storeu_ps(v + i, vv);
-    __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2s), eps);
-    pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(neg_step, mv), d));
-    _mm256_storeu_ps(p + i, pv);
+    if constexpr (kMode != kWeights) {
+      _mm256_storeu_ps(m + i, mv);
+      _mm256_storeu_ps(v + i, vv);
+    }
+    if constexpr (kMode != kMoments) {
+      __m256 pv = _mm256_loadu_ps(p + i);
+      if (k.wd) pv = _mm256_mul_ps(pv, decay);
+      __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2s), eps);
+      pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(neg_step, mv), d));
+      _mm256_storeu_ps(p + i, pv);
+    }
   }
-  update_scalar(p + i, gp + i, m + i, v + i, n - i, k);
+  update_scalar<kMode>(p + i, gp + i, m + i, v + i, n - i, k);
 }
 
 template <typename G>
@@ -206,7 +224,10 @@ void check(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& e
               "grad must be fp32 or bf16");
 }
 
-template <bool kCorrect>
+// kOp: an update Mode, or kCorrect.
+constexpr int kCorrect = 3;
+
+template <int kOp>
 void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
          const Consts& k, int64_t tail_width) {
   check(master, grad, exp_avg, exp_avg_sq);
@@ -214,7 +235,7 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
   if (numel == 0) return;
   // torch's kernel runs vector code over all but the last numel % tail_width elements (its threads'
   // ranges are multiples of 16 elements); those go through its scalar tail.
-  const int64_t n = (!kCorrect && tail_width > 0) ? numel - numel % tail_width : numel;
+  const int64_t n = (kOp != kCorrect && tail_width > 0) ? numel - numel % tail_width : numel;
   float* p = master.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
@@ -226,19 +247,21 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
     const int64_t lo = u0 * kUnit, hi = std::min(n, u1 * kUnit);
     float *pp = p + lo, *mm = m + lo, *vv = v + lo;
     const int64_t len = hi - lo;
-    if (bf16) {
-      const uint16_t* gg = static_cast<const uint16_t*>(g) + lo;
-      if (kCorrect) { if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k); }
-      else          { if (avx2) update_avx2(pp, gg, mm, vv, len, k);  else update_scalar(pp, gg, mm, vv, len, k); }
-    } else {
-      const float* gg = static_cast<const float*>(g) + lo;
-      if (kCorrect) { if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k); }
-      else          { if (avx2) update_avx2(pp, gg, mm, vv, len, k);  else update_scalar(pp, gg, mm, vv, len, k); }
-    }
+    auto pass = [&](const auto* gg) {
+      if constexpr (kOp == kCorrect) {
+        if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k);
+      } else {
+        if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k); else update_scalar<kOp>(pp, gg, mm, vv, len, k);
+      }
+    };
+    if (bf16) pass(static_cast<const uint16_t*>(g) + lo);
+    else      pass(static_cast<const float*>(g) + lo);
   });
-  if (n < numel) {
-    if (bf16) update_scalar<true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k);
-    else      update_scalar<true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k);
+  if constexpr (kOp != kCorrect) {
+    if (n < numel) {
+      if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k);
+      else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k);
+    }
   }
 }
 
@@ -250,7 +273,25 @@ void adamw_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Te
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
   pybind11::gil_scoped_release no_gil;  // as torch's own ops: the training thread runs meanwhile
-  run<false>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
+  run<kFull>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
+}
+
+void adamw_weights(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                   double step, double lr, double beta1, double beta2, double eps, double weight_decay,
+                   double clip, int64_t tail_width) {
+  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
+  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
+  pybind11::gil_scoped_release no_gil;
+  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
+}
+
+void adamw_moments(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                   double beta1, double beta2, double clip, int64_t tail_width) {
+  // `master` is only checked (same numel), never read: the moments do not depend on the weight.
+  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
+  Consts k = make_consts(1.0, 0.0, beta1, beta2, 1e-8, 0.0, clip);
+  pybind11::gil_scoped_release no_gil;
+  run<kMoments>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
 }
 
 void adamw_correct(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -258,7 +299,7 @@ void adamw_correct(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   Consts k = make_consts(step, lr, beta1, beta2, eps, 0.0, clip);
   pybind11::gil_scoped_release no_gil;
-  run<true>(master, grad, exp_avg, exp_avg_sq, k, 0);
+  run<kCorrect>(master, grad, exp_avg, exp_avg_sq, k, 0);
 }
 
 bool uses_avx2() { return has_avx2(); }
@@ -294,7 +335,7 @@ def load():
         try:
             _module = load_inline(
                 name=_NAME, cpp_sources=[_SOURCE],
-                functions=["adamw_update", "adamw_correct", "uses_avx2"],
+                functions=["adamw_update", "adamw_correct", "adamw_weights", "adamw_moments", "uses_avx2"],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                 extra_ldflags=_gomp_flags(), verbose=False)
         except Exception as e:  # compiler missing, ninja missing, build error
@@ -319,6 +360,18 @@ def update(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: 
     grad_scale = 1/clip, but the gradient is read, never written, and may be bf16)."""
     load().adamw_update(master, grad, exp_avg, exp_avg_sq, float(step), float(lr), float(beta1),
                         float(beta2), float(eps), float(weight_decay), float(clip), _TAIL)
+
+
+def update_weights(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,
+                   eps: float, weight_decay: float, clip: float = 1.0) -> None:
+    """The weights `update` would write, from the moments it would write (which are not stored)."""
+    load().adamw_weights(master, grad, exp_avg, exp_avg_sq, float(step), float(lr), float(beta1),
+                         float(beta2), float(eps), float(weight_decay), float(clip), _TAIL)
+
+
+def update_moments(master, grad, exp_avg, exp_avg_sq, *, beta1: float, beta2: float, clip: float = 1.0) -> None:
+    """The moments `update` would write (after update_weights, before anything else touches them)."""
+    load().adamw_moments(master, grad, exp_avg, exp_avg_sq, float(beta1), float(beta2), float(clip), _TAIL)
 
 
 def correct(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,

@@ -22,6 +22,16 @@ is known only when the backward is done. Two ways around the wait, both exact:
              forward reads them (embedding, layers 0.., head), and that forward waits only for
              the tile it is about to stream (`wait(tile)`).
 
+  moments    With HostAdamW.defer_moments (the C++ kernel), a deferred update stores only the new
+             weights (reads p, m, v, g; writes p: 18 of the update's 26 bytes/param of host memory
+             traffic, where the next forward waits) and queues a 'moments' job that stores m and v
+             later, after every weight of the step, in the order the next backward lands gradients
+             (head first). `wait(tile)` waits for the weights only; `wait_state(tile)` for everything,
+             moments included: the gradient lander calls it before it replaces a tile's gradient (the
+             moments pass still reads it), and `drain` before anything reads moments (checkpoints).
+             Bit-identical to the single-pass update; it costs one more pass over m, v, g, off the
+             critical path.
+
 Jobs carry their step's context, so step t's deferred updates can still be running while step
 t+1's forward begins. One worker thread (AdamW is memory-bound; torch's fused kernel already uses
 all intra-op threads), so a tile's correction always follows its speculative update.
@@ -51,7 +61,7 @@ class StepContext:
 
 @dataclass
 class _Job:
-    kind: str  # 'update' | 'fix' (correct a speculative update to the verdict, or roll it back)
+    kind: str  # 'update' | 'fix' (correct a speculative update to the verdict, or roll it back) | 'moments'
     tile: str
     ctx: StepContext
     spec_ok: bool = False  # an 'update' that may run before the verdict
@@ -64,10 +74,14 @@ class OptimizerWorker:
         self.optimizer, self.store = optimizer, store
         self.max_grad_norm, self.speculate = max_grad_norm, speculate
         self._rank = {name: i for i, name in enumerate(forward_order)}
+        # _done: no job pending for the tile; _weights_done: none that changes its weights ('moments' jobs
+        # do not), which is all the next forward needs.
         self._done = {name: threading.Event() for name in store.tiles}
-        for ev in self._done.values():
+        self._weights_done = {name: threading.Event() for name in store.tiles}
+        for ev in (*self._done.values(), *self._weights_done.values()):
             ev.set()
         self._pending = {name: 0 for name in store.tiles}
+        self._pending_weights = {name: 0 for name in store.tiles}
         self._jobs: list[_Job] = []
         self._cv = threading.Condition()
         self._ctx: StepContext | None = None
@@ -104,9 +118,16 @@ class OptimizerWorker:
 
     def wait(self, tile: str) -> None:
         """Block until `tile` holds its updated weights (a host-side wait, only when AdamW is behind)."""
-        if not self._done[tile].is_set():
+        self._wait_event(self._weights_done[tile])
+
+    def wait_state(self, tile: str) -> None:
+        """Block until every job on `tile` is done, deferred moments included (its gradient is free)."""
+        self._wait_event(self._done[tile])
+
+    def _wait_event(self, event: threading.Event) -> None:
+        if not event.is_set():
             t0 = time.perf_counter()
-            self._done[tile].wait()
+            event.wait()
             with self._cv:
                 self.waited_s += time.perf_counter() - t0
         if self._error is not None:
@@ -114,7 +135,7 @@ class OptimizerWorker:
 
     def drain(self) -> None:
         for name in self._done:
-            self.wait(name)
+            self.wait_state(name)
 
     def close(self) -> None:
         self.drain()
@@ -145,11 +166,16 @@ class OptimizerWorker:
     def _enqueue(self, job: _Job) -> None:  # holds self._cv
         self._pending[job.tile] += 1
         self._done[job.tile].clear()
+        if job.kind != "moments":
+            self._pending_weights[job.tile] += 1
+            self._weights_done[job.tile].clear()
         self._jobs.append(job)
 
     def _key(self, job: _Job):
         if job.ctx.verdict is None:
             return (job.ctx.index, job.seq, 0)  # speculative: as gradients land
+        if job.kind == "moments":  # after every weight of the step, in the next backward's landing order
+            return (job.ctx.index, 2 * len(self._rank) - self._rank.get(job.tile, 0), 0)
         # Decided: in the order the next forward reads; a tile's update before its fix.
         return (job.ctx.index, self._rank.get(job.tile, 0), job.kind == "fix")
 
@@ -165,32 +191,46 @@ class OptimizerWorker:
                     return None
                 self._cv.wait()
 
-    def _execute(self, job: _Job) -> None:
+    def _execute(self, job: _Job) -> _Job | None:
+        """Run one job; returns the job it leaves behind (a deferred update's moments), if any."""
         tile, ctx = self.store.tiles[job.tile], job.ctx
         if job.kind == "update" and job.tile in ctx.speculated:
             self.optimizer.update(tile, ctx.lr, 1.0)
-            return
+            return None
         clip, finite = ctx.verdict
-        if job.kind == "fix":
+        if job.kind == "moments":
+            self.optimizer.update_moments(tile, clip)
+        elif job.kind == "fix":
             if finite:
                 self.optimizer.correct(tile, ctx.lr, clip)
             else:
                 self.optimizer.rollback(tile, ctx.lr)
+        elif finite and self.optimizer.defer_moments:
+            self.optimizer.update_weights(tile, ctx.lr, clip)
+            return _Job("moments", job.tile, ctx)
         elif finite:
             self.optimizer.update(tile, ctx.lr, clip)
+        return None
 
     def _run(self) -> None:
         while True:
             job = self._next_job()
             if job is None:
                 return
+            follow = None
             try:
                 if self._error is None:
-                    self._execute(job)
+                    follow = self._execute(job)
             except BaseException as err:  # re-raised in the training thread by wait()
                 self._error = err
             finally:
                 with self._cv:
+                    if follow is not None:  # queued before the update counts as done: _done never flickers
+                        self._enqueue(follow)
                     self._pending[job.tile] -= 1
                     if self._pending[job.tile] == 0:
                         self._done[job.tile].set()
+                    if job.kind != "moments":
+                        self._pending_weights[job.tile] -= 1
+                        if self._pending_weights[job.tile] == 0:
+                            self._weights_done[job.tile].set()
