@@ -5,6 +5,7 @@ to fp32 rounding after a correction when it is, and no change at all when the st
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -224,10 +225,33 @@ def test_deferred_moments_free_the_weights_first_and_the_gradient_last():
     assert [t for _, t in opt.log] == order
     assert not worker._done["head"].is_set()  # its gradient may not be replaced yet (wait_state blocks)
     opt.go.set()
+    worker.begin_step(1e-3)  # the next step's forward runs: the moments stay held by the worker...
+    time.sleep(0.2)
+    assert [k for k, _ in opt.log] == ["weights"] * len(order)
+    worker.release_moments()  # ...until its head (Engine.forward_backward)
     worker.wait_state("embed")
-    worker.close()
     # the moments in the order the next backward lands gradients: head first, embedding last
     assert [t for k, t in opt.log if k == "moments"] == list(reversed(order))
+    worker.resolve(1.0, finite=False)
+    worker.close()
+
+
+def test_waiting_for_a_tiles_state_releases_held_moments():
+    store = make_store()
+    for name, tile in store.tiles.items():
+        tile.name = name
+    order = ["embed", *store.layer_names, "head"]
+    opt = _GatedMoments(TrainConfig(lr=1e-3))
+    opt.go.set()
+    worker = OptimizerWorker(opt, store, forward_order=order, max_grad_norm=1.0, speculate=False)
+    worker.begin_step(1e-3)
+    for name in reversed(order):
+        worker.landed(name, 1e-6)
+    worker.resolve(0.5, finite=True)
+    worker.wait_state("layers.0")  # no release_moments call: must not hang
+    worker.drain()
+    assert sum(k == "moments" for k, _ in opt.log) == len(order)
+    worker.close()
 
 
 def test_the_engine_makes_the_gradient_lander_wait_for_deferred_moments():

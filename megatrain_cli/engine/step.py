@@ -295,6 +295,8 @@ class Engine:
                     elif op.kind == "head":
                         times["forward"] = time.perf_counter() - t0
                         t0 = time.perf_counter()
+                        if self.worker is not None:  # the forward has every weight it needs: the last
+                            self.worker.release_moments()  # step's deferred moments may use the host now
                         if off is not None and self._first_recompute is not None:
                             off.prefetch(self._first_recompute)  # comes back while the head computes
                         grads_out, losses, head_grad = self._head(h, labels, norm_scale, sq_norm)

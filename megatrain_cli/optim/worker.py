@@ -25,8 +25,12 @@ is known only when the backward is done. Two ways around the wait, both exact:
   moments    With HostAdamW.defer_moments (the C++ kernel), a deferred update stores only the new
              weights (reads p, m, v, g; writes p: 18 of the update's 26 bytes/param of host memory
              traffic, where the next forward waits) and queues a 'moments' job that stores m and v
-             later, after every weight of the step, in the order the next backward lands gradients
-             (head first). `wait(tile)` waits for the weights only; `wait_state(tile)` for everything,
+             later, in the order the next backward lands gradients (head first), and not before the
+             engine says the next forward has all its weights (`release_moments`, at its head): in
+             the forward the host memory bandwidth is the critical resource (the weights passes and
+             the packer's casts share it), in the backward there is room. Measured on the H200, 7B,
+             8x4096, clipped: moments running as soon as the weights were done, 5.48 s/step against
+             4.93 s for the single pass. `wait(tile)` waits for the weights only; `wait_state(tile)` for everything,
              moments included: the gradient lander calls it before it replaces a tile's gradient (the
              moments pass still reads it), and `drain` before anything reads moments (checkpoints).
              Bit-identical to the single-pass update; it costs one more pass over m, v, g, off the
@@ -86,6 +90,7 @@ class OptimizerWorker:
         self._cv = threading.Condition()
         self._ctx: StepContext | None = None
         self._steps = 0
+        self._moments_through = 0  # deferred moments of steps <= this index may run
         self._seq = 0
         self._closed = False
         self.waited_s = 0.0  # host seconds any thread spent blocked in wait(): the optimizer behind the GPU
@@ -116,12 +121,23 @@ class OptimizerWorker:
             self._cv.notify_all()
             return {"speculated": len(ctx.speculated), "corrected": ctx.corrected}
 
+    def release_moments(self, through: int | None = None) -> None:
+        """Deferred moments of steps before the current one (or <= `through`) may run from now on."""
+        with self._cv:
+            target = self._steps - 1 if through is None else through
+            if target > self._moments_through:
+                self._moments_through = target
+                self._cv.notify_all()
+
     def wait(self, tile: str) -> None:
         """Block until `tile` holds its updated weights (a host-side wait, only when AdamW is behind)."""
         self._wait_event(self._weights_done[tile])
 
     def wait_state(self, tile: str) -> None:
-        """Block until every job on `tile` is done, deferred moments included (its gradient is free)."""
+        """Block until every job on `tile` is done, deferred moments included (its gradient is free);
+        releases every held moments pass first, so the wait cannot depend on a release to come."""
+        if not self._done[tile].is_set():
+            self.release_moments(self._steps)
         self._wait_event(self._done[tile])
 
     def _wait_event(self, event: threading.Event) -> None:
@@ -134,6 +150,7 @@ class OptimizerWorker:
             raise RuntimeError("host AdamW failed") from self._error
 
     def drain(self) -> None:
+        self.release_moments(self._steps)
         for name in self._done:
             self.wait_state(name)
 
@@ -182,7 +199,8 @@ class OptimizerWorker:
     def _next_job(self) -> _Job | None:
         with self._cv:
             while True:
-                runnable = [j for j in self._jobs if j.ctx.verdict is not None or j.spec_ok]
+                runnable = [j for j in self._jobs if (j.ctx.verdict is not None or j.spec_ok) and
+                            (j.kind != "moments" or j.ctx.index <= self._moments_through)]
                 if runnable:
                     job = min(runnable, key=self._key)
                     self._jobs.remove(job)
