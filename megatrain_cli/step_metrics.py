@@ -55,9 +55,9 @@ def step_metrics(res, *, engine, step: int, total: int, lr: float, skipped: int,
                  seq_len: int, eta: float | None = None) -> StepMetrics:
     """`step` is 0-based here; the metrics carry it 1-based."""
     store, device = engine.store, engine.device
-    adapter = store.adapter
-    flops = model_flops(matmul_params(store), res.tokens, res.tokens // seq_len, seq_len, adapter.hidden_size,
-                        adapter.num_layers)
+    flops, executed = streamed_step_flops(store, rows=res.tokens // seq_len, seq=seq_len,
+                                          recomputed_layers=engine.recomputed_layers(),
+                                          mlp_tile_tokens=engine.mlp_tile_tokens())
     tflops = flops / step_time / 1e12
     cuda = device.type == "cuda"
     peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None
@@ -65,7 +65,7 @@ def step_metrics(res, *, engine, step: int, total: int, lr: float, skipped: int,
     return StepMetrics(
         step=step + 1, total_steps=total, loss=res.loss, lr=lr, grad_norm=res.grad_norm, tokens=res.tokens,
         loss_tokens=res.loss_tokens, step_time_s=step_time, tokens_per_s=res.tokens / step_time,
-        model_tflops=tflops, executed_tflops=None, mfu=(tflops / peak) if peak else None,
+        model_tflops=tflops, executed_tflops=executed / step_time / 1e12, mfu=(tflops / peak) if peak else None,
         h2d_gbps=res.h2d_bytes / step_time / 1e9 if cuda else None,
         d2h_gbps=res.d2h_bytes / step_time / 1e9 if cuda else None,
         link_peak_gbps=measured_h2d_gbps(device.index or 0) if cuda else None,

@@ -133,3 +133,29 @@ def test_tensorboard_log_is_a_noop_without_tensorboard(tmp_path):
         log.write(cpu_metrics())
         assert any((tmp_path / "tb").iterdir())
     log.close()
+
+
+@pytest.mark.parametrize("keep,expect_recomputed", [(frozenset(), 4), (frozenset({1}), 2), (frozenset({0, 1}), 0)])
+def test_step_metrics_count_the_recomputed_layers_in_executed_flops(keep, expect_recomputed):
+    import torch
+
+    from megatrain_cli.engine.step import Engine
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.recipe import TrainConfig
+    from megatrain_cli.step_metrics import step_metrics, streamed_step_flops
+    from tests.reference import random_batches, tiny_config
+
+    store = build_store(tiny_config("Qwen2ForCausalLM", layers=4), torch.float32, seed=0)
+    engine = Engine(store, TrainConfig(lr=1e-3), device=torch.device("cpu"), checkpoint_interval=2,
+                    keep_blocks=keep, overlap_optimizer=False)
+    try:
+        assert engine.recomputed_layers() == expect_recomputed
+        (mbs,) = random_batches(store.adapter.vocab_size, 1, 1, batch=2, seq=16, seed=1)
+        res = engine.step(mbs, 1e-3)
+        m = step_metrics(res, engine=engine, step=0, total=1, lr=1e-3, skipped=0, step_time=2.0, seq_len=16)
+    finally:
+        engine.close()
+    model, executed = streamed_step_flops(store, rows=2, seq=16, recomputed_layers=expect_recomputed)
+    assert m.model_tflops == pytest.approx(model / 2.0 / 1e12)
+    assert m.executed_tflops == pytest.approx(executed / 2.0 / 1e12)
+    assert (m.executed_tflops > m.model_tflops) == (expect_recomputed > 0)

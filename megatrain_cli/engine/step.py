@@ -209,6 +209,15 @@ class Engine:
         res.times["optimizer"] = time.perf_counter() - t0
         return res
 
+    def recomputed_layers(self) -> int:
+        """Layers whose forward runs twice per step (their block is recomputed for its backward)."""
+        return sum(len(b) for i, b in enumerate(blocks(self.adapter.num_layers, self.interval))
+                   if i not in self.keep_blocks)
+
+    def mlp_tile_tokens(self) -> int | None:
+        """Tokens per MLP tile when the long-context plan tiles the MLP (its backward redoes gate / up)."""
+        return self.long_context.mlp_tile_tokens if self.long_context is not None else None
+
     def update_order(self) -> list[str]:
         """The order the next forward reads tiles: embedding rows, layers, head."""
         return ["embed", *self.store.layer_names, "head"]
