@@ -208,17 +208,25 @@ class _GatedMoments(HostAdamW):
         self.log.append(("moments", tile.name))
 
 
-def test_deferred_moments_free_the_weights_first_and_the_gradient_last():
+def clipped_step_with_gated_moments(*, gate_open: bool):
+    """A worker that has resolved one clipped step (every update deferred) over a _GatedMoments optimizer."""
     store = make_store()
     for name, tile in store.tiles.items():
         tile.name = name
     order = ["embed", *store.layer_names, "head"]
     opt = _GatedMoments(TrainConfig(lr=1e-3))
+    if gate_open:
+        opt.go.set()
     worker = OptimizerWorker(opt, store, forward_order=order, max_grad_norm=1.0, speculate=False)
     worker.begin_step(1e-3)
     for name in reversed(order):
         worker.landed(name, 1e-6)
     worker.resolve(0.5, finite=True)
+    return worker, opt, order
+
+
+def test_deferred_moments_free_the_weights_first_and_the_gradient_last():
+    worker, opt, order = clipped_step_with_gated_moments(gate_open=False)
     for name in order:
         worker.wait(name)  # the next forward's weights: ready while every moments pass is held back
     assert [k for k, _ in opt.log] == ["weights"] * len(order)
@@ -237,17 +245,7 @@ def test_deferred_moments_free_the_weights_first_and_the_gradient_last():
 
 
 def test_waiting_for_a_tiles_state_releases_held_moments():
-    store = make_store()
-    for name, tile in store.tiles.items():
-        tile.name = name
-    order = ["embed", *store.layer_names, "head"]
-    opt = _GatedMoments(TrainConfig(lr=1e-3))
-    opt.go.set()
-    worker = OptimizerWorker(opt, store, forward_order=order, max_grad_norm=1.0, speculate=False)
-    worker.begin_step(1e-3)
-    for name in reversed(order):
-        worker.landed(name, 1e-6)
-    worker.resolve(0.5, finite=True)
+    worker, opt, order = clipped_step_with_gated_moments(gate_open=True)
     worker.wait_state("layers.0")  # no release_moments call: must not hang
     worker.drain()
     assert sum(k == "moments" for k, _ in opt.log) == len(order)
