@@ -9,6 +9,7 @@ forward (2 x params x tokens per recomputed layer).
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import json
@@ -18,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from megatrain_cli.bench_loop import BENCH_LR, run_timed_steps
 from megatrain_cli.engine.long_context import GiB, fmt_bytes, plan_memory_lean, refusal
 from megatrain_cli.engine.plan import device_problem, host_problems, kept_block_ids, make_plan, resolve_keep_blocks
 from megatrain_cli.engine.schedule import blocks
@@ -36,6 +38,23 @@ def parse_tokens(text: str | int) -> int:
     s = str(text).strip().lower()
     mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1:], 1)
     return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+def bench_config(preset: str, seq: int, layers: int | None = None):
+    """The HF config of `preset` for a bench at `seq` tokens; `layers` overrides num_hidden_layers (the same
+    layer shape, fewer or more of them: a truncated model times a long sequence's layers cheaply)."""
+    p = PRESETS[preset]
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        p = dataclasses.replace(p, num_hidden_layers=layers)
+    return p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
+
+
+def model_label(preset: str, layers: int | None) -> str:
+    """'7b', or '7b[2 of 28 layers]' when the bench overrides the preset's layer count."""
+    full = PRESETS[preset].num_hidden_layers
+    return preset if layers is None or layers == full else f"{preset}[{layers} of {full} layers]"
 
 
 def causal_lm_flops(matmul_params: int, batch: int, seq: int, hidden: int, layers: int) -> float:
@@ -75,6 +94,12 @@ class BenchResult:
     split: dict = field(default_factory=dict)
     losses: list = field(default_factory=list)
     notes: str = ""
+    # A run of fewer layers than the preset's (--layers) on the long-context path: the full model's step,
+    # extrapolated from the measured per-layer times, and its planned memory (bench_long.extrapolate).
+    extrapolated: dict = field(default_factory=dict)
+    # Steady state: the mean of timed steps 2..N, each carrying the previous step's optimizer work
+    # (bench_loop.TimedSteps.steady_step_s); 0 when fewer than 2 timed steps.
+    steady_step_time_s: float = 0.0
 
 
 def synthetic_batch(vocab: int, batch: int, seq: int, seed: int) -> MicroBatch:
@@ -120,7 +145,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                  device_budget: int | None = None, grad_slabs: int = 12, loss_chunk_tokens: int = 8192,
                  max_grad_norm: float | None = 1.0, device: str = "cuda", warmup: int = 1, log=print,
                  dashboard=None, frame_path: str | None = None, store=None, optimizer: bool = True,
-                 kernels: str = "auto", memory_fallback: bool = True) -> BenchResult:
+                 kernels: str = "auto", memory_fallback: bool = True, layers: int | None = None) -> BenchResult:
     """Warm-up + timed steps of the engine. `dashboard` (a Dashboard) gets every step's metrics;
     `frame_path` receives the rendered text of the last step's rich frame; `store` reuses a host
     store built earlier (same preset), so several variants share one initialisation. `optimizer=False`
@@ -131,9 +156,9 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     memory alone and `memory_fallback`, the step takes the memory-lean path (long_context.plan_memory_lean:
     checkpoint interval 1, a smaller loss chunk, the MLP tiled where that helps, checkpoints in pinned host
     memory as needed); DoesNotFit when that plan does not fit either (both plans' numbers), or for host
-    memory, or without the fallback."""
-    p = PRESETS[preset]
-    config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
+    memory, or without the fallback. `layers`: run that many layers instead of the preset's (bench_config);
+    the result's model says so."""
+    config = bench_config(preset, seq, layers)
     dev = torch.device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     cfg = TrainConfig(steps=steps + warmup, lr=1e-5, max_grad_norm=max_grad_norm, grad_accum=grad_accum,
@@ -168,39 +193,25 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
         log(f"[bench] pinned {pinned / GiB:.1f} GiB for the offloaded checkpoints in {t_pin:.1f} s")
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
-    results, losses, stall = [], [], 0.0
-    t_timed = None
-    off = engine.offloader
-    offload0 = (0, 0)
-    for s in range(warmup + steps):
-        mbs = [synthetic_batch(config.vocab_size, batch, seq, seed=s * 97 + k) for k in range(grad_accum)]
-        if s == warmup:
-            engine.synchronize()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t_timed = time.perf_counter()
-            if off is not None:
-                offload0 = (off.d2h_bytes, off.h2d_bytes)
-        t_s = time.perf_counter()
-        res = engine.step(mbs, 1e-5) if optimizer else engine.forward_backward(mbs)
-        losses.append(res.loss)
-        metrics = step_metrics(res, engine=engine, step=s, total=warmup + steps, lr=1e-5, skipped=0,
-                               step_time=time.perf_counter() - t_s, seq_len=seq)
+    metrics = None
+
+    def show(s: int, res, took: float) -> None:
+        nonlocal metrics
+        metrics = step_metrics(res, engine=engine, step=s, total=warmup + steps, lr=BENCH_LR, skipped=0,
+                               step_time=took, seq_len=seq)
         if dashboard is not None:
             dashboard.update(metrics)
-        if s >= warmup:
-            results.append(res)
-            if dev.type == "cuda":
-                stall += engine.streamer.stall_seconds()
         spec = res.speculation
         log(f"[bench] step {s}{' (warm-up)' if s < warmup else ''}: loss {res.loss:.4f} "
-            f"norm {res.grad_norm:.3f} {time.perf_counter() - t_s:.2f} s "
+            f"norm {res.grad_norm:.3f} {took:.2f} s "
             f"{({k: round(v, 2) for k, v in res.times.items()})}"
             + (f" speculated {spec['speculated']} corrected {spec['corrected']}" if spec else ""))
-    engine.synchronize()  # the last step's updates count too
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-    wall = time.perf_counter() - t_timed
+
+    timed = run_timed_steps(
+        engine, lambda s: [synthetic_batch(config.vocab_size, batch, seq, seed=s * 97 + k) for k in range(grad_accum)],
+        warmup=warmup, steps=steps, optimizer=optimizer, on_step=show)
+    results, losses, stall, wall = timed.results, timed.losses, timed.stall_s, timed.wall_s
+    off = engine.offloader
     step_time = wall / steps
     tokens = batch * seq * grad_accum
     recomputed_layers = config.num_hidden_layers - sum(len(b) for b in blocks(config.num_hidden_layers,
@@ -210,7 +221,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     flops, executed = streamed_step_flops(store, rows=batch * grad_accum, seq=seq, recomputed_layers=recomputed_layers,
                                           mlp_tile_tokens=tile)
     # On the memory-lean path the checkpoints' trips to host memory and back cross PCIe too.
-    ckpt_d2h, ckpt_h2d = (off.d2h_bytes - offload0[0], off.h2d_bytes - offload0[1]) if off is not None else (0, 0)
+    ckpt_d2h, ckpt_h2d = timed.offload_d2h_bytes, timed.offload_h2d_bytes
     h2d = (sum(r.h2d_bytes for r in results) + ckpt_h2d) / wall / 1e9
     d2h = (sum(r.d2h_bytes for r in results) + ckpt_d2h) / wall / 1e9
     split = {k: round(sum(r.times.get(k, 0.0) for r in results) / steps, 3)
@@ -218,8 +229,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     split["gpu_stall_on_weights"] = round(stall / steps, 3)
     peak_dev = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     result = BenchResult(
-        name="megatrain", model=preset, batch=batch * grad_accum, seq=seq, steps=steps, step_time_s=step_time,
-        tokens_per_s=tokens / step_time, model_tflops=flops / step_time / 1e12,
+        name="megatrain", model=model_label(preset, layers), batch=batch * grad_accum, seq=seq, steps=steps,
+        step_time_s=step_time, tokens_per_s=tokens / step_time, model_tflops=flops / step_time / 1e12,
         executed_tflops=executed / step_time / 1e12, peak_device_bytes=peak_dev,
         host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(),
         bytes_per_param=store.host_bytes() / store.num_params(), h2d_gbps=h2d, d2h_gbps=d2h,
@@ -236,6 +247,11 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
               f"speculated={sum(r.speculation.get('speculated', 0) for r in results)} "
               f"corrected={sum(r.speculation.get('corrected', 0) for r in results)} "
               f"h2d_layer_transfers={sum(v for k, v in results[-1].h2d_count.items() if k.startswith('layers.'))}")
+    steady = timed.steady_step_s() if optimizer else None
+    if steady:
+        result.steady_step_time_s = steady
+        result.notes += (f"; steady state (timed steps 2..{steps}, each with the previous step's optimizer): "
+                         f"{steady:.3f} s/step, {tokens / steady:,.0f} tokens/s, {flops / steady / 1e12:.1f} model TFLOPS")
     if frame_path:
         Path(frame_path).write_text(render_frame(metrics, title=f"megatrain bench {preset} {batch}x{seq}",
                                                  total_steps=warmup + steps))
@@ -257,13 +273,13 @@ def render_frame(metrics, *, title: str, total_steps: int, width: int = 132) -> 
     return console.export_text()
 
 
-def bench_native(preset: str, batch: int, seq: int, steps: int, *, warmup: int = 1, log=print) -> BenchResult:
+def bench_native(preset: str, batch: int, seq: int, steps: int, *, warmup: int = 1, log=print,
+                 layers: int | None = None) -> BenchResult:
     """The same model entirely on the GPU: bf16 weights, HF gradient checkpointing, fused torch AdamW
     on the device. (bf16 optimizer state: the fastest and leanest way PyTorch runs it natively.)"""
     from transformers import AutoModelForCausalLM
 
-    p = PRESETS[preset]
-    config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
+    config = bench_config(preset, seq, layers)
     dev = torch.device("cuda")
     with torch.device(dev):
         model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
@@ -293,7 +309,7 @@ def bench_native(preset: str, batch: int, seq: int, steps: int, *, warmup: int =
     flops = causal_lm_flops(matmul, batch, seq, config.hidden_size, config.num_hidden_layers)
     step_time = wall / steps
     res = BenchResult(
-        name="native", model=preset, batch=batch, seq=seq, steps=steps, step_time_s=step_time,
+        name="native", model=model_label(preset, layers), batch=batch, seq=seq, steps=steps, step_time_s=step_time,
         tokens_per_s=batch * seq / step_time, model_tflops=flops / step_time / 1e12,
         executed_tflops=flops * 4 / 3 / step_time / 1e12, peak_device_bytes=torch.cuda.max_memory_allocated(dev),
         host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(), losses=losses,
@@ -305,12 +321,13 @@ def bench_native(preset: str, batch: int, seq: int, steps: int, *, warmup: int =
 
 
 def format_table(results: list[BenchResult]) -> str:
-    head = (f"{'run':<10} {'model':<6} {'tokens':>9} {'step s':>7} {'tok/s':>8} {'model TF':>9} {'exec TF':>8} "
+    mw = max([6, *(len(r.model) for r in results)])  # '7b[2 of 28 layers]' widens the column
+    head = (f"{'run':<10} {'model':<{mw}} {'tokens':>9} {'step s':>7} {'tok/s':>8} {'model TF':>9} {'exec TF':>8} "
             f"{'H2D GB/s':>9} {'D2H GB/s':>9} {'overlap':>8} {'dev GiB':>8} {'RSS GiB':>8} {'B/param':>8}")
     lines = [head]
     for r in results:
         f = lambda v, fmt: "n/a" if v is None else format(v, fmt)  # noqa: E731
-        lines.append(f"{r.name:<10} {r.model:<6} {r.batch}x{r.seq:<6} {r.step_time_s:7.2f} {r.tokens_per_s:8.0f} "
+        lines.append(f"{r.name:<10} {r.model:<{mw}} {r.batch}x{r.seq:<6} {r.step_time_s:7.2f} {r.tokens_per_s:8.0f} "
                      f"{r.model_tflops:9.1f} {r.executed_tflops:8.1f} {f(r.h2d_gbps, '9.1f'):>9} "
                      f"{f(r.d2h_gbps, '9.1f'):>9} {f(r.overlap, '8.1%'):>8} {r.peak_device_bytes / 2**30:8.1f} "
                      f"{r.host_rss_bytes / 2**30:8.1f} {r.bytes_per_param:8.1f}")

@@ -10,26 +10,35 @@ Reported: step time (wall, from the first timed step to the last step's optimize
 model TFLOPS with bench's formula (6 x matmul params x tokens + 6 x batch x seq^2 x hidden x layers,
 recompute not counted), executed TFLOPS (adds every layer's recomputed forward and the tiled MLP's
 recomputed gate/up projections), the measured device peak against the plan's prediction, the phase
-times of StepResult.times and the per-layer figures (phase time / layers) in `notes`.
+times of StepResult.times and the per-layer figures in `notes`.
+
+Every layer's forward and recompute + backward wall time is logged as it completes (LayerClock), so a
+run killed by a time limit still leaves per-layer figures. With `layers` below the preset's (a 512K step
+of all 28 layers of the 7B preset takes ~10 minutes), the result also carries the full model's step,
+extrapolated from those per-layer figures (`extrapolate`), and the full model's memory plan.
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import statistics
 import sys
 import time
 
 import torch
 
-from megatrain_cli.bench import BenchResult, peak_rss_bytes, synthetic_batch
-from megatrain_cli.engine.long_context import GiB, choose_plan, host_budget_bytes, refusal
+from megatrain_cli.bench import BenchResult, bench_config, model_label, peak_rss_bytes, synthetic_batch
+from megatrain_cli.bench_loop import run_timed_steps
+from megatrain_cli.engine.long_context import GiB, LongContextPlan, choose_plan, host_budget_bytes, refusal
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.metrics import host_rss_bytes
+from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.step_metrics import streamed_step_flops
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.tiles import HostStore
 
 NAME = "long-ctx"
 
@@ -54,11 +63,154 @@ def _fmt(seconds: float) -> str:
     return f"{seconds:.3f} s" if seconds < 10 else f"{seconds:.1f} s"
 
 
+class LayerClock:
+    """Each layer's forward and recompute + backward wall time, logged (through `say`, which flushes) as
+    the layer completes: a run killed by a time limit leaves its per-layer figures in the log.
+
+    step.py has no per-layer hook, so the clock wraps this one engine's per-layer calls (instance
+    attributes; the class and every other engine are untouched): forward_backward (a step begins),
+    _layer outside autograd (a forward layer), _head, _record_layer (a recompute after the head) and
+    _backward_layer. A layer's time runs from the previous mark to its end, so the weight and checkpoint
+    waits before it count and the marks add up to the step; the first forward layer starts at its own
+    call (the embedding gather before it is not a layer's).
+
+    Cost: one host sync of the compute stream per layer pass (not the copy streams: weight prefetch and
+    checkpoint offload keep overlapping). At 128K+ a layer pass takes 0.3-20 s and the sync only gives
+    up the host's run-ahead into the next layer's kernel launches (milliseconds); at 32K (0.05 s per
+    forward layer) that is about 1-2%. Only the long-context bench installs it: bench_engine's short
+    steps keep their one sync per step."""
+
+    def __init__(self, engine: Engine, say, *, prefix: str = "[bench-long]"):
+        self.say, self.prefix = say, prefix
+        self.steps: list[dict] = []  # per step begun: forward / recompute / backward {layer: s}, head s
+        self._mark: float | None = None
+        self._step_start = 0.0
+        self._after_head = False
+        cuda = engine.device.type == "cuda"
+        self._sync = torch.cuda.current_stream(engine.device).synchronize if cuda else (lambda: None)
+        self._wrap(engine)
+
+    def _wrap(self, e: Engine) -> None:
+        forward_backward, layer, head = e.forward_backward, e._layer, e._head
+        record, backward = e._record_layer, e._backward_layer
+
+        def timed_forward_backward(*a, **k):
+            self.steps.append({"forward": {}, "recompute": {}, "backward": {}, "head": None})
+            self._mark, self._after_head, self._step_start = None, False, time.perf_counter()
+            return forward_backward(*a, **k)
+
+        def timed_layer(i, *a, **k):
+            if torch.is_grad_enabled():  # inside _record_layer: timed there
+                return layer(i, *a, **k)
+            return self._timed("forward", i, layer, i, *a, **k)
+
+        def timed_record(i, *a, **k):
+            return self._timed("recompute" if self._after_head else "forward", i, record, i, *a, **k)
+
+        def timed_head(*a, **k):
+            out = self._timed("head", -1, head, *a, **k)
+            self._after_head = True
+            return out
+
+        e.forward_backward, e._layer, e._head = timed_forward_backward, timed_layer, timed_head
+        e._record_layer = timed_record
+        e._backward_layer = lambda i, *a, **k: self._timed("backward", i, backward, i, *a, **k)
+
+    def _timed(self, kind: str, layer: int, fn, *a, **k):
+        if self._mark is None:
+            self._sync()
+            self._mark = time.perf_counter()
+        out = fn(*a, **k)
+        self._sync()
+        now = time.perf_counter()
+        took, self._mark = now - self._mark, now
+        step = self.steps[-1]
+        at = f"(step at {now - self._step_start:.1f} s)"
+        n = len(self.steps) - 1
+        if kind == "head":
+            step["head"] = took
+            self.say(f"{self.prefix} step {n} head (final norm + chunked loss) {_fmt(took)} {at}")
+        else:
+            step[kind][layer] = step[kind].get(layer, 0.0) + took  # several micro-batches: one sum per layer
+        if kind == "forward":
+            self.say(f"{self.prefix} step {n} layer {layer} forward {_fmt(took)} {at}")
+        elif kind == "backward":
+            rec = step["recompute"].get(layer, 0.0)
+            self.say(f"{self.prefix} step {n} layer {layer} recompute + backward {_fmt(rec + took)} "
+                     f"(recompute {_fmt(rec)}, backward {_fmt(took)}) {at}")
+        return out
+
+    def per_layer(self, first: int, count: int) -> tuple[float, float, int]:
+        """(median forward, median recompute + backward, samples of each) over steps first..first+count-1.
+        Medians: a one-off first-call cost (cuDNN plan, allocator growth) stays out of the per-layer figure."""
+        steps = self.steps[first:first + count]
+        fwd = [t for s in steps for t in s["forward"].values()]
+        bwd = [s["recompute"].get(i, 0.0) + t for s in steps for i, t in s["backward"].items()]
+        if not fwd or not bwd:
+            return 0.0, 0.0, 0
+        return statistics.median(fwd), statistics.median(bwd), min(len(fwd), len(bwd))
+
+
+def extrapolate(*, step_time: float, measured_layers: int, full_layers: int, forward_per_layer: float,
+                backward_per_layer: float, samples: int, tokens: int, full_flops: float,
+                full_executed_flops: float) -> dict:
+    """The full model's step from a run of `measured_layers` layers: the layer passes scale with the layer
+    count, everything else in the measured step (embedding, head, loss, the optimizer's tail) is measured
+    once and kept:  step(L) = step(N) + (L - N) x (forward + recompute/backward per layer). `samples`: the
+    layer passes behind each per-layer figure. FLOPs: the full model's (streamed_step_flops)."""
+    per_layer = forward_per_layer + backward_per_layer
+    step = step_time + (full_layers - measured_layers) * per_layer
+    return dict(layers=full_layers, measured_layers=measured_layers,
+                formula="step(L) = step(N) + (L - N) x (forward + recompute/backward per layer)",
+                measured_step_time_s=step_time, per_layer_forward_s=forward_per_layer,
+                per_layer_backward_s=backward_per_layer, per_layer_samples=samples,
+                once_per_step_s=step_time - measured_layers * per_layer,
+                step_time_s=step, tokens_per_s=tokens / step, model_tflops=full_flops / step / 1e12,
+                executed_tflops=full_executed_flops / step / 1e12)
+
+
+def format_extrapolation(x: dict) -> str:
+    """The extrapolation of a truncated run, in words and with its formula (labelled: not measured)."""
+    n, L = x["measured_layers"], x["layers"]
+    lines = [f"extrapolated to {L} layers (NOT measured: {n} of {L} layers ran): {x['formula']}",
+             f"  = {_fmt(x['measured_step_time_s'])} + ({L} - {n}) x ({_fmt(x['per_layer_forward_s'])} + "
+             f"{_fmt(x['per_layer_backward_s'])}) = {_fmt(x['step_time_s'])}/step; {x['tokens_per_s']:.0f} tokens/s, "
+             f"model {x['model_tflops']:.1f} TFLOPS, executed {x['executed_tflops']:.1f}",
+             f"  per-layer figures: medians of {x['per_layer_samples']} layer passes; measured once per step "
+             f"(embedding, head, loss, optimizer tail): {_fmt(x['once_per_step_s'])}"]
+    if "planned_peak_device_bytes" in x:
+        measured = x.get("measured_peak_device_bytes")
+        lines.append(
+            f"  device memory: planned peak {x['planned_peak_device_bytes'] / GiB:.2f} GiB for {L} layers "
+            f"({x['planned_peak_phase']}; {x['planned_offloaded_checkpoints']} of {L} checkpoints in "
+            f"{x['planned_host_pinned_bytes'] / GiB:.2f} GiB of pinned host memory; "
+            f"{'fits' if x['plan_fits'] else 'DOES NOT FIT'}); "
+            + (f"measured {measured / GiB:.2f} GiB with {n} layers (planned "
+               f"{x['measured_layers_planned_peak_device_bytes'] / GiB:.2f} GiB); measured + the plans' difference "
+               f"{x['peak_device_bytes_from_measured'] / GiB:.2f} GiB" if measured else "measured n/a (cpu)"))
+        extra = x["planned_offloaded_checkpoints"] - x["measured_layers_offloaded_checkpoints"]
+        if extra > 0:
+            lines.append(f"  not in the extrapolation: the whole model sends {extra} more checkpoints to host memory "
+                         f"and back (each {x['checkpoint_bytes'] / GiB:.2f} GiB, twice per step over PCIe, planned "
+                         "to hide behind a layer's compute)")
+    return "\n".join(lines)
+
+
+def full_model_plan(preset: str, seq: int, store: HostStore, *, host_budget: int, host_budget_measured: bool,
+                    **plan_options) -> tuple[LongContextPlan, HostStore]:
+    """The plan of the preset's whole layer count (computed, not run) and its unallocated store (for its
+    FLOPs). A host budget read from the machine is lowered by the host memory the larger store would take."""
+    full = HostStore(ModelAdapter(bench_config(preset, seq)), store.compute_dtype, allocate=False)
+    if host_budget_measured:
+        host_budget = max(0, host_budget - max(0, full.host_bytes() - store.host_bytes()))
+    return choose_plan(full.adapter, seq, host_budget_bytes=host_budget, **plan_options), full
+
+
 def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0, device_budget: int | None = None,
                        host_budget: int | None = None, log=print, device: str = "cuda", batch: int = 1,
                        lean_norms: bool | None = None, mlp_tile_tokens: int = 8192, tile_mlp: bool | None = None,
                        loss_chunk_tokens: int = 4096, offload: bool | None = None, headroom: float = 0.95,
-                       sdpa: str = "auto", max_grad_norm: float | None = 1.0, store=None,
+                       sdpa: str = "auto", max_grad_norm: float | None = 1.0, store=None, layers: int | None = None,
                        **engine_kwargs) -> BenchResult:
     """Warm-up + timed full optimizer steps (engine.step) of `preset` at `batch` x `seq` synthetic tokens
     on the long-context path. `device_budget`: device bytes the plan may use (default: the GPU's total;
@@ -66,7 +218,13 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
     (default: MemAvailable after the host store, minus the engine's pinned buffers and 4 GiB).
     lean_norms None: HF RMSNorm when that plan fits, else the lean one. engine_kwargs go to Engine
     (layer_slots, grad_slabs, double_buffer, overlap_optimizer, speculate). `store`: a host store of
-    this preset built earlier (several runs share one initialisation)."""
+    this preset (and `layers`) built earlier (several runs share one initialisation).
+
+    `layers`: run that many layers instead of the preset's (bench.bench_config). The whole model's plan is
+    computed too (not run); its RMSNorm, MLP tiling and loss chunk are the run's unless given, so each
+    measured layer runs what it would in the whole model. The result then carries `extrapolated`: the
+    whole model's step from the measured per-layer times (`extrapolate`) and its planned device peak and
+    pinned host bytes next to the measured peak."""
 
     def say(message: str) -> None:
         log(message)
@@ -75,8 +233,8 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    p = PRESETS[preset]
-    config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
+    config = bench_config(preset, seq, layers)
+    truncated = config.num_hidden_layers != PRESETS[preset].num_hidden_layers
     dev = torch.device(device)
     alloc_conf = _expandable_segments(dev)
     t0 = time.perf_counter()
@@ -94,17 +252,29 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
             device_budget = torch.cuda.get_device_properties(dev).total_memory
         else:  # the CPU "device" is the host: what is free besides the store
             device_budget = host_budget_bytes(0, 0)
+    host_budget_measured = host_budget is None
     if host_budget is None:
         host_budget = host_budget_bytes(engine_pinned)
-    plan = choose_plan(store.adapter, seq, batch=batch, device_budget_bytes=device_budget,
-                       host_budget_bytes=host_budget, dtype=store.compute_dtype, layer_slots=layer_slots,
-                       mlp_tile_tokens=mlp_tile_tokens, tile_mlp=tile_mlp, loss_chunk_tokens=loss_chunk_tokens,
-                       offload=offload, headroom=headroom, lean_norms=lean_norms)
+    options = dict(batch=batch, device_budget_bytes=device_budget, dtype=store.compute_dtype, layer_slots=layer_slots,
+                   mlp_tile_tokens=mlp_tile_tokens, offload=offload, headroom=headroom)
+    full = full_store = None
+    if truncated:
+        full, full_store = full_model_plan(preset, seq, store, host_budget=host_budget,
+                                           host_budget_measured=host_budget_measured, tile_mlp=tile_mlp,
+                                           loss_chunk_tokens=loss_chunk_tokens, lean_norms=lean_norms, **options)
+        say(f"[bench-long] the whole {PRESETS[preset].num_hidden_layers}-layer model's plan (computed, not run): "
+            f"{full.summary()}; {'fits' if full.fits else 'DOES NOT FIT: ' + refusal(full)}")
+        # Each measured layer runs what it would in the whole model (its checkpoint offload aside).
+        lean_norms = full.lean_norms if lean_norms is None else lean_norms
+        tile_mlp = (full.mlp_tile_tokens is not None) if tile_mlp is None else tile_mlp
+        loss_chunk_tokens = full.loss_chunk_tokens
+    plan = choose_plan(store.adapter, seq, host_budget_bytes=host_budget, tile_mlp=tile_mlp,
+                       loss_chunk_tokens=loss_chunk_tokens, lean_norms=lean_norms, **options)
     say(plan.render())
     say(f"[bench-long] host budget for offloaded checkpoints {host_budget / GiB:.1f} GiB "
         f"(engine pinned buffers {engine_pinned / GiB:.1f} GiB)")
     tokens = batch * seq
-    base = dict(name=NAME, model=preset, batch=batch, seq=seq, host_rss_bytes=host_rss_bytes())
+    base = dict(name=NAME, model=model_label(preset, layers), batch=batch, seq=seq, host_rss_bytes=host_rss_bytes())
     if not plan.fits:
         reason = refusal(plan)
         say(f"[bench-long] does not fit: {reason}")
@@ -118,6 +288,7 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
     engine_kwargs["overlap_optimizer"] = engine_kwargs.get("overlap_optimizer", True) and dev.type == "cuda"
     engine = Engine(store, cfg, device=dev, checkpoint_interval=plan.checkpoint_interval,
                     loss_chunk_tokens=plan.loss_chunk_tokens, long_context=plan, sdpa=sdpa, **engine_kwargs)
+    clock = LayerClock(engine, say)
     t_pin = time.perf_counter()
     pinned = engine.reserve_checkpoint_buffers([(batch, seq)])
     t_pin = time.perf_counter() - t_pin
@@ -127,43 +298,21 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
 
-    results, losses, step_times, stall = [], [], [], 0.0
-    t_timed = None
-    failure = ""
-    off = engine.offloader
-    try:
-        for s in range(warmup + steps):
-            mbs = [synthetic_batch(config.vocab_size, batch, seq, seed=s * 97)]
-            if s == warmup:
-                engine.synchronize()
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
-                t_timed = time.perf_counter()
-                d2h0, h2d0 = off.d2h_bytes, off.h2d_bytes
-            t_s = time.perf_counter()
-            res = engine.step(mbs, 1e-5)
-            took = time.perf_counter() - t_s
-            losses.append(res.loss)
-            if s >= warmup:
-                results.append(res)
-                step_times.append(took)
-                if dev.type == "cuda":
-                    stall += engine.streamer.stall_seconds()
-            say(f"[bench-long] step {s}{' (warm-up)' if s < warmup else ''}: {took:.2f} s, loss {res.loss:.4f} "
-                f"norm {res.grad_norm:.3f} " + " ".join(f"{k} {v:.2f}" for k, v in res.times.items())
-                + (f" peak {torch.cuda.max_memory_allocated(dev) / GiB:.1f} GiB" if dev.type == "cuda" else ""))
-        engine.synchronize()  # the last step's host updates count too
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-    except torch.cuda.OutOfMemoryError as err:
-        failure = f"out of memory: {str(err).splitlines()[0]}"
+    def show(s: int, res, took: float) -> None:
+        say(f"[bench-long] step {s}{' (warm-up)' if s < warmup else ''}: {took:.2f} s, loss {res.loss:.4f} "
+            f"norm {res.grad_norm:.3f} " + " ".join(f"{k} {v:.2f}" for k, v in res.times.items())
+            + (f" peak {torch.cuda.max_memory_allocated(dev) / GiB:.1f} GiB" if dev.type == "cuda" else ""))
+
+    timed = run_timed_steps(engine, lambda s: [synthetic_batch(config.vocab_size, batch, seq, seed=s * 97)],
+                            warmup=warmup, steps=steps, on_step=show, stop_on_oom=True)
+    results, losses, step_times, stall, wall = (timed.results, timed.losses, timed.step_times, timed.stall_s,
+                                                timed.wall_s)
+    failure = timed.failure
+    if failure:
         say(f"[bench-long] {failure}")
-    wall = time.perf_counter() - t_timed if t_timed is not None else 0.0
-    if failure:  # the failed step's partial time is not a step
-        wall = sum(step_times)
     peak_dev = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else 0
-    stats = dict(d2h=off.d2h_bytes - d2h0, h2d=off.h2d_bytes - h2d0, late=off.late_gets) if results else {}
+    stats = dict(d2h=timed.offload_d2h_bytes, h2d=timed.offload_h2d_bytes, late=engine.offloader.late_gets)
     engine.close()
     del engine
     gc.collect()
@@ -185,16 +334,17 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
     n = len(results)
     step_time = wall / n
     base["host_rss_bytes"] = host_rss_bytes()
-    layers = config.num_hidden_layers
+    layers_run = config.num_hidden_layers
     # Interval 1: every layer is recomputed once.
-    flops, executed = streamed_step_flops(store, rows=batch, seq=seq, recomputed_layers=layers,
+    flops, executed = streamed_step_flops(store, rows=batch, seq=seq, recomputed_layers=layers_run,
                                           mlp_tile_tokens=plan.mlp_tile_tokens)
     phases = {k: sum(r.times.get(k, 0.0) for r in results) / n for k in ("forward", "head", "backward", "optimizer")}
     split = {k: round(v, 3) for k, v in phases.items()}
     split["gpu_stall_on_weights"] = round(stall / n, 3)
     weights_h2d = sum(r.h2d_bytes for r in results)
-    per_layer = (f"per layer: forward {_fmt(phases['forward'] / layers)}, recompute + backward "
-                 f"{_fmt(phases['backward'] / layers)}")
+    fwd_layer, bwd_layer, samples = clock.per_layer(warmup, n)
+    per_layer = (f"per layer: forward {_fmt(fwd_layer)}, recompute + backward {_fmt(bwd_layer)} (medians of "
+                 f"{samples} layer passes, host-synced per layer)")
     measured = (f"measured peak {peak_dev / GiB:.1f} GiB allocated ({peak_dev / max(1, plan.predicted_peak):.0%} of "
                 f"predicted), {reserved / GiB:.1f} GiB reserved" if dev.type == "cuda" else "measured peak n/a (cpu)")
     notes = "; ".join(x for x in [
@@ -205,6 +355,25 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
         f"checkpoint offload D2H {stats['d2h'] / n / GiB:.1f} GiB/step, H2D {stats['h2d'] / n / GiB:.1f} GiB/step, "
         f"late gets {stats['late']}",
     ] if x)
+    extrapolated = {}
+    if full is not None and not failure:
+        full_flops, full_executed = streamed_step_flops(full_store, rows=batch, seq=seq,
+                                                        recomputed_layers=full.num_checkpoints,
+                                                        mlp_tile_tokens=plan.mlp_tile_tokens)
+        extrapolated = extrapolate(step_time=step_time, measured_layers=layers_run, full_layers=full.num_checkpoints,
+                                   forward_per_layer=fwd_layer, backward_per_layer=bwd_layer, samples=samples,
+                                   tokens=tokens,
+                                   full_flops=full_flops, full_executed_flops=full_executed)
+        extrapolated.update(
+            planned_peak_device_bytes=full.predicted_peak,
+            planned_peak_phase=full.peak_phase, planned_host_pinned_bytes=full.host_pinned_bytes,
+            planned_offloaded_checkpoints=full.offloaded_checkpoints, plan_fits=full.fits,
+            measured_layers_planned_peak_device_bytes=plan.predicted_peak, checkpoint_bytes=plan.checkpoint_bytes,
+            measured_layers_offloaded_checkpoints=plan.offloaded_checkpoints,
+            measured_peak_device_bytes=peak_dev if dev.type == "cuda" else None,
+            # The plans differ by the extra layers' checkpoints (and offload staging): added to what was measured.
+            peak_device_bytes_from_measured=(peak_dev + full.predicted_peak - plan.predicted_peak
+                                             if dev.type == "cuda" else None))
     result = BenchResult(
         **base, steps=n, step_time_s=step_time, tokens_per_s=0.0 if failure else tokens / step_time,
         model_tflops=flops / step_time / 1e12, executed_tflops=executed / step_time / 1e12,
@@ -213,7 +382,9 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
         h2d_gbps=(weights_h2d + stats["h2d"]) / wall / 1e9 if wall else None,
         d2h_gbps=(sum(r.d2h_bytes for r in results) + stats["d2h"]) / wall / 1e9 if wall else None,
         overlap=(1.0 - stall / wall) if dev.type == "cuda" and wall else None, split=split, losses=losses,
-        notes=notes)
+        notes=notes, extrapolated=extrapolated)
     say(f"[bench-long] {n} step(s): {step_time:.2f} s/step, {result.tokens_per_s:.0f} tokens/s, model "
         f"{result.model_tflops:.1f} TFLOPS, executed {result.executed_tflops:.1f}; {measured}; {per_layer}")
+    if extrapolated:
+        say(f"[bench-long] {format_extrapolation(extrapolated)}")
     return result

@@ -78,6 +78,10 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           seq: str = typer.Option("4096", help="Tokens per sequence (512k = 524288)."),
           batch: int = typer.Option(8, help="Sequences per step."),
           steps: int = typer.Option(3, help="Timed steps (after one warm-up step)."),
+          layers: Optional[int] = typer.Option(None, help="Run N layers instead of the preset's (same layer shape; "
+                                               "the results say '7b[N of 28 layers]'). On the long-context path "
+                                               "the whole model's step is extrapolated from the measured per-layer "
+                                               "times and its memory plan is printed."),
           grad_accum: int = typer.Option(1, help="Micro-batches per step (batch each)."),
           checkpoint_interval: int = typer.Option(4, help="Layers per recompute block."),
           layer_slots: int = typer.Option(2, help="Device weight buffers for layers (>= 2)."),
@@ -103,7 +107,13 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           dashboard: str = typer.Option("auto", help="Live view: auto, rich, plain or off."),
           frame: Optional[Path] = typer.Option(None, help="Write the last step's dashboard frame (text) here."),
           as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
-          output: Optional[Path] = typer.Option(None, help="Also write the JSON here.")) -> None:
+          output: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
+          gpus: Optional[int] = typer.Option(None, "--gpus", help="Data-parallel ranks, one GPU each (CPU "
+                                             "processes on gloo with --device cpu); --batch is then per GPU. "
+                                             "1: the single-GPU engine through the same loop. Under torchrun: "
+                                             "its WORLD_SIZE."),
+          dist_sync: bool = typer.Option(False, help="Ablation, with --gpus: the synchronous data-parallel "
+                                         "path instead of the overlapped one.")) -> None:
     """Full training steps of a random-init preset on synthetic tokens, against a baseline."""
     import torch
 
@@ -120,6 +130,10 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
     baselines = [x.strip() for x in baseline.split(",")] if baseline else []
     if any(x not in ("native", "deepspeed") for x in baselines):
         _fail(f"unknown baseline '{baseline}' (native, deepspeed, or native,deepspeed)")
+    if layers is not None and layers < 1:
+        _fail(f"--layers: expected a number >= 1, got {layers}")
+    if layers is not None and "deepspeed" in baselines:
+        _fail("--layers does not reach the DeepSpeed baseline (its child process builds the whole preset)")
     budget = None
     if keep_activations != "auto" and not keep_activations.isdigit():
         _fail(f"--keep-activations: expected auto or a number, got {keep_activations!r}")
@@ -133,16 +147,32 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
     if dashboard not in MODES:
         _fail(f"--dashboard: one of {', '.join(MODES)}, got {dashboard!r}")
     seq_len = b.parse_tokens(seq)
+    if gpus is not None or "WORLD_SIZE" in os.environ:
+        from megatrain_cli.bench_dist import DistBench
+
+        _bench_ranks(gpus, DistBench(model=model, batch=batch, seq=seq_len, steps=steps, grad_accum=grad_accum,
+                                     layers=layers, checkpoint_interval=checkpoint_interval,
+                                     layer_slots=layer_slots, keep_activations=keep_activations if
+                                     keep_activations == "auto" else int(keep_activations),
+                                     max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
+                                     device=device, kernels=kernels, overlap=not dist_sync),
+                     ignored=[f for f, on in (("--baseline", baselines), ("--max-gpu-mem", max_gpu_mem),
+                                              ("--frame", frame), ("--no-double-buffer", no_double_buffer),
+                                              ("--no-speculation", no_speculation),
+                                              ("--no-overlap-optimizer", no_overlap_optimizer),
+                                              ("--long-context on", long_context == "on")) if on],
+                     as_json=as_json, output=output)
     if long_context == "on" or (long_context == "auto" and batch == 1 and grad_accum == 1 and seq_len >= 32768):
-        from megatrain_cli.bench_long import bench_long_context
+        from megatrain_cli.bench_long import bench_long_context, format_extrapolation
 
         res = bench_long_context(model, seq_len, steps=steps, warmup=0, device_budget=budget, device=device,
-                                 sdpa=sdpa, batch=batch, layer_slots=layer_slots,
+                                 sdpa=sdpa, batch=batch, layers=layers, layer_slots=layer_slots,
                                  double_buffer=not no_double_buffer, overlap_optimizer=not no_overlap_optimizer,
                                  speculate=not no_speculation, kernels=kernels,
                                  max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
                                  log=lambda m: typer.echo(m, err=True))
-        typer.echo(b.to_json([res]) if as_json else f"{b.format_table([res])}\nnotes: {res.notes}")
+        extrapolated = f"\n{format_extrapolation(res.extrapolated)}" if res.extrapolated else ""
+        typer.echo(b.to_json([res]) if as_json else f"{b.format_table([res])}\nnotes: {res.notes}{extrapolated}")
         if output:
             output.write_text(b.to_json([res]))
         raise typer.Exit(0 if res.tokens_per_s > 0 else 3)
@@ -163,11 +193,11 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                 keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
                 max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device, kernels=kernels,
                 memory_fallback=not no_memory_fallback, log=lambda m: typer.echo(m, err=True), dashboard=dash,
-                frame_path=str(frame) if frame else None)]
+                frame_path=str(frame) if frame else None, layers=layers)]
     except b.DoesNotFit as err:
         _fail(f"{err}\n(the plan above has each term; --max-gpu-mem sets the device budget)", 3)
     if "native" in baselines:
-        results.append(b.bench_native(model, batch * grad_accum, seq_len, steps,
+        results.append(b.bench_native(model, batch * grad_accum, seq_len, steps, layers=layers,
                                       log=lambda m: typer.echo(m, err=True)))
     if ds_result is not None:
         results.append(ds_result)
@@ -175,6 +205,31 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
     typer.echo(b.to_json(results) if as_json else "\n".join([b.format_table(results), *lean_notes]))
     if output:
         output.write_text(b.to_json(results))
+
+
+def _bench_ranks(gpus: Optional[int], args, *, ignored: list, as_json: bool, output: Optional[Path]) -> None:
+    """`bench --gpus N` (or under torchrun): megatrain_cli/bench_dist.py; rank 0 prints and writes."""
+    from megatrain_cli import bench as b
+    from megatrain_cli.bench_dist import bench_dist
+
+    if ignored:
+        _fail(f"--gpus: not with {', '.join(ignored)} (one short-context engine per rank)")
+    if gpus is not None and gpus < 1:
+        _fail(f"--gpus must be >= 1, got {gpus}")
+    try:
+        report = bench_dist(args, gpus, log=lambda m: typer.echo(m, err=True))
+    except (b.DoesNotFit, ValueError) as err:
+        _fail(str(err), 3)
+    if report is not None:  # rank 0, or the process that spawned the ranks
+        text = json.dumps(report, indent=2)
+        if as_json:
+            typer.echo(text)
+        else:
+            result = b.BenchResult(**{k: report[k] for k in b.BenchResult.__dataclass_fields__})
+            typer.echo(f"{b.format_table([result])}\nnotes: {result.notes}")
+        if output:
+            output.write_text(text)
+    raise typer.Exit(0)
 
 
 @app.command("eval")

@@ -174,3 +174,16 @@ def test_export_of_a_directory_without_checkpoints(tmp_path):
     p = megatrain("export", tmp_path, tmp_path / "out")
     assert p.returncode == 2
     assert "neither a complete checkpoint" in p.stderr and "Traceback" not in p.stderr
+
+
+def test_bench_long_context_layers_prints_the_measured_run_and_the_extrapolation():
+    p = megatrain("bench", "--model", "tiny", "--device", "cpu", "--seq", "256", "--batch", "1", "--steps", "1",
+                  "--long-context", "on", "--layers", "2")
+    assert p.returncode == 0, p.stderr[-2000:]
+    table, notes, *extrapolation = p.stdout.strip().splitlines()[1:]
+    assert table.startswith("long-ctx   tiny[2 of 4 layers] 1x256") and notes.startswith("notes: interval 1")
+    assert extrapolation[0].startswith("extrapolated to 4 layers (NOT measured: 2 of 4 layers ran): step(L) = ")
+    assert "planned peak" in extrapolation[-1] and "for 4 layers" in extrapolation[-1]
+    # The per-layer progress went to stderr as each layer finished.
+    assert "[bench-long] step 0 layer 1 forward" in p.stderr and "[bench-long] step 0 layer 0 recompute + backward" \
+        in p.stderr and "the whole 4-layer model's plan (computed, not run)" in p.stderr

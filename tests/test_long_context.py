@@ -103,19 +103,132 @@ def test_choose_plan_takes_lean_norms_only_when_hf_does_not_fit():
 # ---------------------------------------------------------------------------------------------- bench
 
 
+def layer_lines(lines: list[str]) -> list[str]:
+    """The per-layer progress lines (LayerClock), without their times: 'step 0 layer 3 forward', ..."""
+    import re
+
+    return [m.group(1) for m in (re.match(r"\[bench-long\] (step \d+ (?:layer \d+ \w+|head))", x) for x in lines) if m]
+
+
 def test_bench_long_context_runs_a_step_of_tiny_on_cpu():
     from megatrain_cli.bench_long import bench_long_context
+    from tests.test_bench import plain_engine_losses
 
     lines = []
-    res = bench_long_context("tiny", 256, device="cpu", steps=1, mlp_tile_tokens=64, tile_mlp=True, offload=True,
-                             log=lines.append)
-    assert res.steps == 1 and res.step_time_s > 0 and res.tokens_per_s == pytest.approx(256 / res.step_time_s)
+    res = bench_long_context("tiny", 256, device="cpu", steps=2, warmup=1, mlp_tile_tokens=64, tile_mlp=True,
+                             offload=True, log=lines.append)
+    assert res.model == "tiny" and res.extrapolated == {}
+    assert res.steps == 2 and res.step_time_s > 0 and res.tokens_per_s == pytest.approx(256 / res.step_time_s)
     assert res.model_tflops > 0 and res.executed_tflops > res.model_tflops
-    assert {"forward", "head", "backward", "optimizer"} <= set(res.split) and len(res.losses) == 1
+    assert {"forward", "head", "backward", "optimizer"} <= set(res.split)
+    # The shared loop ran the warm-up and the timed steps a plain engine runs (same batches, same losses).
+    assert res.losses == pytest.approx(plain_engine_losses("tiny", 1, 256, steps=3), rel=1e-5)
     assert "per layer: forward" in res.notes and "offloaded 4/4 checkpoints" in res.notes
-    assert "late gets 0" in res.notes
+    assert "medians of 8 layer passes" in res.notes  # 4 layers x 2 timed steps, the warm-up left out
+    assert "late gets 0" in res.notes and "checkpoint offload D2H 0.0 GiB/step" in res.notes
     text = "\n".join(lines)
-    assert "long-context plan: 1 x 256 tokens" in text and "[bench-long] step 0:" in text
+    assert "long-context plan: 1 x 256 tokens" in text and "[bench-long] step 0 (warm-up):" in text
+    # Every layer's forward, then the head, then every layer's recompute + backward, as each completes,
+    # before the step's own line.
+    one_step = [f"layer {i} forward" for i in range(4)] + ["head"] + \
+        [f"layer {i} recompute" for i in reversed(range(4))]
+    assert layer_lines(lines) == [f"step {s} {x}" for s in range(3) for x in one_step]
+    first_step_line = next(i for i, x in enumerate(lines) if x.startswith("[bench-long] step 0 (warm-up)"))
+    assert lines[first_step_line - 1].startswith("[bench-long] step 0 layer 0 recompute + backward ")
+
+
+def test_bench_long_context_layers_extrapolates_to_the_whole_model():
+    from megatrain_cli.bench_long import bench_long_context, format_extrapolation, full_model_plan
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.bench import bench_config
+    from tests.test_bench import plain_engine_losses
+
+    store = build_store(bench_config("tiny", 256, 2), torch.float32, seed=0)
+    # A device budget at which the whole model's plan tiles the MLP and a 2-layer model's own plan would not:
+    # the run must take the whole model's choice, so its layers run what they would in the whole model.
+    options = dict(batch=1, host_budget_bytes=GiB, dtype=torch.float32, mlp_tile_tokens=64)
+    budget = next(b for b in range(int(1.05 * GiB), int(1.07 * GiB), 2**14)
+                  if choose_plan(bench_config("tiny", 256), 256, device_budget_bytes=b, **options).mlp_tile_tokens
+                  and not choose_plan(store.adapter, 256, device_budget_bytes=b, **options).mlp_tile_tokens)
+    lines = []
+    res = bench_long_context("tiny", 256, device="cpu", steps=1, layers=2, store=store, device_budget=budget,
+                             host_budget=GiB, mlp_tile_tokens=64, log=lines.append)
+    assert res.model == "tiny[2 of 4 layers]" and res.steps == 1
+    assert res.losses == pytest.approx(plain_engine_losses("tiny", 1, 256, steps=1, layers=2), rel=1e-5)
+    assert layer_lines(lines) == ["step 0 layer 0 forward", "step 0 layer 1 forward", "step 0 head",
+                                  "step 0 layer 1 recompute", "step 0 layer 0 recompute"]
+    x = res.extrapolated
+    assert x["layers"] == 4 and x["measured_layers"] == 2 and x["per_layer_samples"] == 2
+    assert x["measured_step_time_s"] == res.step_time_s
+    per_layer = x["per_layer_forward_s"] + x["per_layer_backward_s"]
+    assert per_layer > 0 and x["step_time_s"] == pytest.approx(res.step_time_s + 2 * per_layer)
+    assert x["once_per_step_s"] == pytest.approx(res.step_time_s - 2 * per_layer)
+    assert x["model_tflops"] > 0 and x["tokens_per_s"] == pytest.approx(256 / x["step_time_s"])
+    # The whole model's plan, computed with the run's budgets, and the truncated run took its choices.
+    full, _ = full_model_plan("tiny", 256, store, host_budget=GiB, host_budget_measured=False, batch=1,
+                              device_budget_bytes=budget, dtype=torch.float32, layer_slots=2, mlp_tile_tokens=64,
+                              offload=None, headroom=0.95, tile_mlp=None, loss_chunk_tokens=4096, lean_norms=None)
+    assert full.num_checkpoints == 4 and x["planned_peak_device_bytes"] == full.predicted_peak
+    assert x["planned_host_pinned_bytes"] == full.host_pinned_bytes and x["plan_fits"]
+    assert x["measured_layers_planned_peak_device_bytes"] < full.predicted_peak
+    assert x["measured_peak_device_bytes"] is None  # CPU
+    assert full.mlp_tile_tokens == 64 and "MLP tile 64," in res.notes
+    text = format_extrapolation(x)
+    assert text.startswith("extrapolated to 4 layers (NOT measured: 2 of 4 layers ran)")
+    assert "step(L) = step(N) + (L - N) x (forward + recompute/backward per layer)" in text
+    assert "planned peak" in text and "measured n/a (cpu)" in text
+    assert "[bench-long] extrapolated to 4 layers" in "\n".join(lines)
+
+
+def test_extrapolate_scales_the_layer_passes_and_keeps_the_rest():
+    from megatrain_cli.bench_long import extrapolate
+
+    x = extrapolate(step_time=10.0, measured_layers=2, full_layers=28, forward_per_layer=1.0, backward_per_layer=3.0,
+                    samples=2, tokens=1000, full_flops=2.28e15, full_executed_flops=3.42e15)
+    assert x["step_time_s"] == pytest.approx(10 + 26 * 4) and x["once_per_step_s"] == pytest.approx(2.0)
+    assert x["model_tflops"] == pytest.approx(20.0) and x["executed_tflops"] == pytest.approx(30.0)
+    assert x["tokens_per_s"] == pytest.approx(1000 / 114)
+
+
+def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):
+    """A run stopped in the middle of a step (here an out-of-memory error in layer 1's backward; a time limit
+    alike) has already logged every layer pass that finished."""
+    from megatrain_cli.bench_long import bench_long_context
+
+    real = Engine._backward_layer
+
+    def backward_until_layer_1(self, i, *a, **k):
+        if i == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real(self, i, *a, **k)
+
+    monkeypatch.setattr(Engine, "_backward_layer", backward_until_layer_1)
+    lines = []
+    res = bench_long_context("tiny", 256, device="cpu", steps=1, mlp_tile_tokens=64, log=lines.append)
+    assert res.steps == 0 and res.notes.startswith("out of memory: CUDA out of memory") and res.extrapolated == {}
+    assert layer_lines(lines) == [f"step 0 layer {i} forward" for i in range(4)] + [
+        "step 0 head", "step 0 layer 3 recompute", "step 0 layer 2 recompute"]
+
+
+def test_7b_plans_fit_one_h200_and_a_256_gib_host():
+    """`megatrain bench --model 7b --seq 32k..512k` on one H200 (139.8 GiB) of a host with 256 GiB: the plans
+    bench_long would choose, with the host budget it would read after the 7B store (14 bytes/param)."""
+    from megatrain_cli.bench import bench_config
+    from megatrain_cli.engine.long_context import host_budget_bytes
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.store.tiles import HostStore
+
+    device, expected = int(139.8 * GiB), {32: (22.7, 0), 128: (45.8, 0), 256: (82.1, 0), 512: (130.5, 9)}
+    for k, (peak_gib, offloaded) in expected.items():
+        store = HostStore(ModelAdapter(bench_config("7b", k * 1024)), torch.bfloat16, allocate=False)
+        engine_pinned = 14 * store.largest_layer_numel() * 2
+        host = host_budget_bytes(engine_pinned, available=250 * GiB) - store.host_bytes()  # MemAvailable < total
+        plan = choose_plan(store.adapter, k * 1024, device_budget_bytes=device, host_budget_bytes=host)
+        assert plan.fits and not plan.lean_norms, (k, plan.render())
+        assert plan.predicted_peak / GiB == pytest.approx(peak_gib, abs=0.05)
+        assert plan.offloaded_checkpoints == offloaded
+    assert store.host_bytes() / GiB == pytest.approx(99.3, abs=0.05)
+    assert plan.host_pinned_bytes / GiB == pytest.approx(31.5, abs=0.05) and plan.host_pinned_bytes < host
 
 
 def test_bench_long_context_refuses_a_plan_that_does_not_fit():

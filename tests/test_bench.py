@@ -1,0 +1,106 @@
+"""`megatrain bench` on the CPU with the tiny preset: the timed step loop both engine paths share
+(bench_loop.run_timed_steps) runs the steps a plain engine runs, and `--layers` runs a model of that many
+layers and says so in the result, the table and the JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_cli.bench import BenchResult, bench_config, bench_engine, format_table, model_label, synthetic_batch
+from megatrain_cli.engine.step import Engine
+from megatrain_cli.models.loader import build_store
+from megatrain_cli.recipe import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def plain_engine_losses(preset: str, batch: int, seq: int, *, accum: int = 1, steps: int, layers: int | None = None):
+    """Every step's loss of a plain engine (no pipelined optimizer, no plan) on the bench's store and batches."""
+    config = bench_config(preset, seq, layers)
+    engine = Engine(build_store(config, torch.float32, seed=0),
+                    TrainConfig(steps=steps, lr=1e-5, max_grad_norm=1.0, grad_accum=accum, micro_batch_size=batch,
+                                seq_len=seq), device=torch.device("cpu"))
+    losses = [engine.step([synthetic_batch(config.vocab_size, batch, seq, seed=s * 97 + k) for k in range(accum)],
+                          1e-5).loss for s in range(steps)]
+    engine.close()
+    return losses
+
+
+def capture_engines(monkeypatch) -> list[Engine]:
+    from megatrain_cli.engine import step as engine_step
+
+    engines, real_step = [], engine_step.Engine.step
+    monkeypatch.setattr(engine_step.Engine, "step",
+                        lambda self, *a, **k: engines.append(self) or real_step(self, *a, **k))
+    return engines
+
+
+def test_bench_engine_runs_the_plain_engines_steps(monkeypatch):
+    engines = capture_engines(monkeypatch)
+    lines = []
+    res = bench_engine("tiny", 2, 32, 2, grad_accum=2, warmup=1, device="cpu", log=lines.append)
+    assert res.model == "tiny" and res.steps == 2 and res.batch == 4 and res.seq == 32
+    assert res.losses == pytest.approx(plain_engine_losses("tiny", 2, 32, accum=2, steps=3), rel=1e-5)
+    assert res.step_time_s > 0 and res.tokens_per_s == pytest.approx(4 * 32 / res.step_time_s)
+    assert set(res.split) == {"forward", "head", "backward", "optimizer", "wait_optimizer", "gpu_stall_on_weights"}
+    assert res.extrapolated == {} and "h2d_layer_transfers=" in res.notes
+    assert [line.split(":")[0] for line in lines if line.startswith("[bench] step")] == \
+        ["[bench] step 0 (warm-up)", "[bench] step 1", "[bench] step 2"]
+    # The short-context path has no per-layer clock: its engine's methods are the class's (no extra syncs).
+    assert not {"_layer", "_record_layer", "_backward_layer", "forward_backward"} & set(vars(engines[0]))
+
+
+def test_bench_engine_layers_runs_that_many_layers_and_says_so(monkeypatch):
+    engines = capture_engines(monkeypatch)
+    res = bench_engine("tiny", 2, 32, 1, warmup=1, device="cpu", layers=2, log=lambda m: None)
+    assert engines[0].adapter.num_layers == 2 and res.model == "tiny[2 of 4 layers]"
+    assert res.losses == pytest.approx(plain_engine_losses("tiny", 2, 32, steps=2, layers=2), rel=1e-5)
+    table = format_table([res])
+    assert "tiny[2 of 4 layers]" in table
+    header, row = table.splitlines()
+    w = len(res.model) + 1  # the model column widens to the longest name
+    assert header[11:11 + w] == "model".ljust(w) and row[11:11 + w] == res.model + " "
+    assert model_label("tiny", 4) == "tiny" and model_label("tiny", None) == "tiny"
+    with pytest.raises(ValueError, match="layers must be >= 1"):
+        bench_config("tiny", 32, 0)
+
+
+def test_format_table_keeps_its_layout_for_preset_names():
+    r = BenchResult(name="megatrain", model="7b", batch=8, seq=4096, steps=3, step_time_s=1.0, tokens_per_s=1.0,
+                    model_tflops=1.0, executed_tflops=1.0, peak_device_bytes=0, host_rss_bytes=0)
+    assert format_table([r]).splitlines()[1].startswith("megatrain  7b     8x4096")
+
+
+def megatrain_bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "megatrain_cli", "bench", "--model", "tiny", "--device", "cpu",
+                           "--steps", "1", "--dashboard", "off", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+
+
+def test_bench_cli_layers_in_json_and_refused_where_it_cannot_apply():
+    p = megatrain_bench("--seq", "32", "--batch", "2", "--layers", "3", "--json")
+    assert p.returncode == 0, p.stderr[-2000:]
+    (res,) = json.loads(p.stdout)
+    assert res["model"] == "tiny[3 of 4 layers]" and res["steps"] == 1
+    p = megatrain_bench("--layers", "0")
+    assert p.returncode == 2 and "--layers" in p.stderr and "Traceback" not in p.stderr
+    p = megatrain_bench("--layers", "2", "--baseline", "deepspeed")
+    assert p.returncode == 2 and "DeepSpeed" in p.stderr
+
+
+def test_steady_state_is_the_mean_of_the_timed_steps_after_the_first():
+    from megatrain_cli.bench_loop import TimedSteps
+
+    assert TimedSteps(step_times=[1.0]).steady_step_s() is None
+    assert TimedSteps(step_times=[3.5, 4.5, 4.6]).steady_step_s() == pytest.approx(4.55)
+    res = bench_engine("tiny", 2, 32, 3, warmup=1, device="cpu", log=lambda m: None)
+    assert res.steady_step_time_s > 0 and "steady state (timed steps 2..3" in res.notes
+    one = bench_engine("tiny", 2, 32, 1, warmup=1, device="cpu", log=lambda m: None)
+    assert one.steady_step_time_s == 0.0 and "steady state" not in one.notes
