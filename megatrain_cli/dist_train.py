@@ -88,13 +88,14 @@ def run_rank(r: Recipe, spec: RankSpec, *, force: bool = False) -> int:
     """One rank's whole run; the process group is torn down at the end."""
     import torch.distributed as dist
 
+    from megatrain_cli.engine.distributed import leave_process_group
     from megatrain_cli.trainer import run_training
 
     try:
         return run_training(r, force=force, dist=spec)
     finally:
         if dist.is_initialized():
-            dist.destroy_process_group()
+            leave_process_group()
 
 
 def _child(r: Recipe, rank: int, world: int, init_method: str, force: bool) -> None:

@@ -5,10 +5,17 @@ are all-gathered, gradients reduce-scattered, the loss normalised by the global 
 gradient norm all-reduced (engine/distributed.py). After 3 steps (gradient accumulation, clipping
 active) the gathered fp32 masters must equal a single-process Engine's on the same global batches,
 as tightly as tests/test_parity.py compares the engine with plain PyTorch.
+
+The same ranks then run the overlapped CUDA pair (engine/dist_pipeline.py) on the CPU, with torch.cuda's
+streams, events and pinned memory replaced by synchronous stand-ins: what runs is its real packer and
+gradient-lander threads, its two communicators (the weight all-gathers from the packer thread, the rest
+from the training thread; gloo here), its padded slots, shard offsets and chunked staging and slabs.
+Not what CUDA orders on the device: tests/test_dist_cuda.py, on two GPUs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -44,38 +51,109 @@ def _batches(vocab: int, accum: int):
     return random_batches(vocab, STEPS, accum, batch=2, seq=16, seed=5)
 
 
+VARIANTS = ["synchronous", "overlapped"]
+
+
+def _cuda_stand_ins() -> None:
+    """torch.cuda's streams, events and pinned memory as synchronous no-ops, in this spawned rank only: CPU
+    copies and gloo collectives finish before they return, so every wait the pipeline asks for holds."""
+
+    class Stream:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def wait_stream(self, stream):
+            pass
+
+    class Event:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return 0.0
+
+    torch.cuda.Stream, torch.cuda.Event = Stream, Event
+    torch.cuda.current_stream = lambda *args, **kwargs: Stream()
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()
+    torch.cuda.set_device = lambda device: None
+    torch.Tensor.record_stream = lambda self, stream: None
+    for name in ("empty", "zeros"):
+        def unpinned(*args, _make=getattr(torch, name), **kwargs):
+            kwargs.pop("pin_memory", None)
+            return _make(*args, **kwargs)
+
+        setattr(torch, name, unpinned)
+
+
+def _overlapped_pair(engine: Engine, store, ctx) -> None:
+    """Put DistCudaStreamer / DistCudaGradSink in the engine, wired as Engine.__init__ wires them on CUDA."""
+    from megatrain_cli.engine import dist_pipeline
+    from megatrain_cli.engine.templates import WeightRedirect
+
+    worker = engine.worker
+    streamer = dist_pipeline.DistCudaStreamer(store, engine.device, engine.dtype, ctx,
+                                              before_read=worker.wait if worker else None)
+    sink = dist_pipeline.DistCudaGradSink(store, streamer, ctx, slabs=3)
+    if worker is not None:
+        sink.on_landed, sink.before_write = worker.landed, worker.wait_state
+    engine.streamer, engine.sink = streamer, sink
+    engine.redirect = WeightRedirect(streamer.resident)
+    streamer.on_bind = engine.redirect.bind
+
+
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatrain_cli.engine.distributed import init_distributed, split_micro_batches
+    from megatrain_cli.engine import dist_pipeline
+    from megatrain_cli.engine.distributed import init_distributed, leave_process_group, split_micro_batches
 
     torch.set_num_threads(1)
     ctx = init_distributed("cpu", init_method=f"file://{init_file}", rank=rank, world_size=world)
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"
     out = {}
-    for name, tied, layers, interval, accum, overlap, max_norm in CASES:
-        config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=layers)
-        store = build_sharded_store(config, torch.float32, rank, world, seed=3)
-        cfg = _cfg(accum, max_norm)
-        # One case runs the fallbacks for a gloo without all_gather_into_tensor / reduce_scatter_tensor.
-        ctx._gather_tensor_ok = ctx._scatter_tensor_ok = False if name == "tied-uneven" else None
-        engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval, loss_chunk_tokens=7,
-                        overlap_optimizer=overlap, dist=ctx)
-        if overlap:
-            engine.worker.last_clipped = False  # speculate from the first step (corrected: clipping is on)
-        results = []
-        for s, mbs in enumerate(_batches(config.vocab_size, accum)):
-            res = engine.step(split_micro_batches(mbs, rank, world), lr_at(s, cfg, STEPS))
-            results.append((res.loss, res.grad_norm, res.loss_tokens, res.tokens, res.skipped,
-                            res.h2d_bytes, len(res.losses), dict(res.speculation)))
-        engine.close()
-        state = {k: v.clone() for k, v in store.hf_state_dict().items()}  # a collective: every rank
-        out[name] = {"results": results, "state": state if rank == 0 else None,
-                     "tile_bytes": sum(t.nbytes for t in store.tiles.values()),
-                     "host_bytes": store.host_bytes(), "steps": {n: t.step for n, t in store.tiles.items()}}
+    for variant in VARIANTS:
+        if variant == "overlapped":
+            _cuda_stand_ins()
+            ctx.weight_group = dist.new_group(backend="gloo")  # from_default_group makes it under NCCL only
+            # Staging buffers and slabs smaller than every shard: each goes through them in pieces, as the
+            # 7B head's shard does.
+            dist_pipeline.largest_layer_shard = lambda store: 1000
+        for name, tied, layers, interval, accum, overlap, max_norm in CASES:
+            config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=layers)
+            store = build_sharded_store(config, torch.float32, rank, world, seed=3)
+            cfg = _cfg(accum, max_norm)
+            # One case runs the fallbacks for a gloo without all_gather_into_tensor / reduce_scatter_tensor.
+            ctx._gather_tensor_ok = ctx._scatter_tensor_ok = False if name == "tied-uneven" else None
+            engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval,
+                            loss_chunk_tokens=7, overlap_optimizer=overlap, dist=ctx)
+            if variant == "overlapped":
+                _overlapped_pair(engine, store, ctx)
+            if overlap:
+                engine.worker.last_clipped = False  # speculate from the first step (corrected: clipping is on)
+            results = []
+            for s, mbs in enumerate(_batches(config.vocab_size, accum)):
+                res = engine.step(split_micro_batches(mbs, rank, world), lr_at(s, cfg, STEPS))
+                results.append((res.loss, res.grad_norm, res.loss_tokens, res.tokens, res.skipped,
+                                res.h2d_bytes, len(res.losses), dict(res.speculation)))
+            streamer = type(engine.streamer).__name__
+            engine.close()
+            state = {k: v.clone() for k, v in store.hf_state_dict().items()}  # a collective: every rank
+            out[variant, name] = {"results": results, "state": state if rank == 0 else None,
+                                  "streamer": streamer, "tile_bytes": sum(t.nbytes for t in store.tiles.values()),
+                                  "host_bytes": store.host_bytes(),
+                                  "steps": {n: t.step for n, t in store.tiles.items()}}
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 def _single(tied, layers, interval, accum, overlap, max_norm):
@@ -100,12 +178,15 @@ def ranks(tmp_path_factory):
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_two_ranks_train_like_one_process(ranks, case):
+def test_two_ranks_train_like_one_process(ranks, case, variant):
     name, tied, layers, interval, accum, overlap, max_norm = case
     store, single = _single(tied, layers, interval, accum, overlap, max_norm)
+    run = (variant, name)
     for rank, out in enumerate(ranks):
-        got = out[name]["results"]
+        assert out[run]["streamer"] == {"synchronous": "DistStreamer", "overlapped": "DistCudaStreamer"}[variant]
+        got = out[run]["results"]
         assert got[0][6] == len(range(rank, accum, WORLD)), "this rank's share of the global batch"
         for step, (ours, ref) in enumerate(zip(got, single)):
             loss, norm, loss_tokens, tokens, skipped, *_ = ours
@@ -114,10 +195,10 @@ def test_two_ranks_train_like_one_process(ranks, case):
             assert norm == pytest.approx(ref.grad_norm, rel=1e-5), f"rank {rank} step {step}: global grad norm"
             assert loss == pytest.approx(ref.loss, rel=1e-5), f"rank {rank} step {step}: global loss"
             assert (loss_tokens, tokens) == (ref.loss_tokens, ref.tokens)
-        assert set(out[name]["steps"].values()) == {STEPS}
+        assert set(out[run]["steps"].values()) == {STEPS}
         if overlap:  # every tile speculated in the first step, then corrected to the clipped update
             assert got[0][7] == {"speculated": len(store.tiles), "corrected": len(store.tiles)}
-    ours = ranks[0][name]["state"]
+    ours = ranks[0][run]["state"]
     theirs = store.hf_state_dict()
     assert ours.keys() == theirs.keys()
     for key, expected in theirs.items():
@@ -125,10 +206,10 @@ def test_two_ranks_train_like_one_process(ranks, case):
     # Host state is sharded, not replicated: each rank holds half of the single-process tile bytes.
     whole = sum(t.nbytes for t in store.tiles.values())
     for out in ranks:
-        assert out[name]["tile_bytes"] == out[name]["host_bytes"]
-        assert 0.45 < out[name]["tile_bytes"] / whole <= 0.55, (out[name]["tile_bytes"], whole)
+        assert out[run]["tile_bytes"] == out[run]["host_bytes"]
+        assert 0.45 < out[run]["tile_bytes"] / whole <= 0.55, (out[run]["tile_bytes"], whole)
     # ... and each rank's PCIe traffic is its shards: about half of one process's weight bytes.
-    for ours_r, ref in zip(ranks[0][name]["results"], single):
+    for ours_r, ref in zip(ranks[0][run]["results"], single):
         assert ours_r[5] < 0.6 * ref.h2d_bytes
 
 

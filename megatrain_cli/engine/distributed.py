@@ -37,11 +37,14 @@ Global quantities (the only extra host syncs; one process has the first and the 
 
 Collectives per step: one all-gather per layer transfer (2-3 per layer, as the schedule's
 transfers_per_layer), one reduce-scatter per layer, one each for the head; the embedding's three
-(or, tied, one all-gather + one reduce-scatter); the two scalar all-reduces. All are issued by the
-training thread in schedule order, identical on every rank (the optimizer worker thread, when on,
-runs no collective), so one process group suffices here. The streamer is synchronous (the reference
-path, like transfers.WeightStreamer): a CUDA version that overlaps (CudaStreamer's packer thread
-doing the H2D of the shard, all-gathers on a second communicator) is the next step.
+(or, tied, one all-gather + one reduce-scatter); the two scalar all-reduces. Every rank issues them in
+schedule order. The classes here are the synchronous reference path (like transfers.WeightStreamer):
+the training thread issues all of them on the default group, one after the other. The overlapped CUDA
+path (dist_pipeline.py) issues the weight all-gathers from the packer thread on `weight_group`, a
+second NCCL communicator, and everything else from the training thread on the default group: one
+thread per communicator, so each sees the same ordered sequence on every rank (the optimizer worker
+and the gradient lander run no collective). `DistContext.overlap = False` keeps a CUDA run on the
+classes here.
 
 Host tensors (gathering the masters for tests / export) go through `cpu_group`, a gloo group; under
 NCCL the device collectives use the default group.
@@ -84,17 +87,23 @@ class DistContext:
     device: torch.device
     group: object = None  # device-tensor collectives (NCCL on CUDA, gloo on CPU); None: the default group
     cpu_group: object = None  # host-tensor collectives (gloo); None: the default group
+    # NCCL only: the weight all-gathers of the overlapped path (dist_pipeline.py), issued by its packer thread
+    weight_group: object = None
+    overlap: bool = True  # on CUDA, the overlapped path; False: the synchronous one (this module)
     # Capability flags, found out on first use (see all_gather / reduce_scatter).
     _gather_tensor_ok: bool | None = field(default=None, repr=False)
     _scatter_tensor_ok: bool | None = field(default=None, repr=False)
 
     @classmethod
     def from_default_group(cls, device: torch.device) -> "DistContext":
-        """After dist.init_process_group: under NCCL a gloo group is made for host tensors."""
-        cpu_group = None
+        """After dist.init_process_group: under NCCL a gloo group is made for host tensors and a second
+        NCCL group for the weight all-gathers (its communicator is created at its first collective).
+        Every rank makes them in the same order, as new_group requires."""
+        cpu_group = weight_group = None
         if dist.get_backend() != "gloo":
             cpu_group = dist.new_group(backend="gloo")
-        return cls(dist.get_rank(), dist.get_world_size(), device, None, cpu_group)
+            weight_group = dist.new_group()
+        return cls(dist.get_rank(), dist.get_world_size(), device, None, cpu_group, weight_group)
 
     # ------------------------------------------------------------ collectives
     def _backend(self) -> str:
@@ -142,6 +151,12 @@ class DistContext:
         dist.all_reduce(grad, group=self.group)
         return grad[self.rank * n:(self.rank + 1) * n]
 
+    def gather_weights(self, full: torch.Tensor, mine: torch.Tensor) -> None:
+        """all_gather (in place) on `weight_group`: the overlapped path's packer thread, and no one else."""
+        if self.weight_group is None:
+            raise RuntimeError("no weight_group: the overlapped path needs NCCL (DistContext.from_default_group)")
+        _all_gather_fn()(full, mine, group=self.weight_group)
+
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place."""
         dist.all_reduce(t, group=self.group)
@@ -173,6 +188,15 @@ def init_distributed(device_type: str = "cuda", *, init_method: str | None = Non
     return DistContext.from_default_group(device)
 
 
+def leave_process_group() -> None:
+    """destroy_process_group, then a moment for the backends' worker threads to drop the last collectives'
+    tensors: that takes the GIL, and a thread that asks for it while the interpreter shuts down aborts the
+    process ('terminate called without an active exception', seen with gloo in 2-rank CPU runs). Call it
+    after every rank's last collective (a barrier), as a rank's last step."""
+    dist.destroy_process_group()
+    time.sleep(0.2)  # the GIL is free meanwhile
+
+
 def split_micro_batches(micro_batches: list, rank: int, world: int) -> list:
     """This rank's share of the global batch: micro-batches rank, rank + N, ... (counts differ by at most
     one; the loss is normalised by the global token count, so any split gives the same gradient)."""
@@ -191,6 +215,12 @@ class DistStats(TransferStats):
         super().reset()
         self.gathered_bytes = self.reduced_bytes = 0
 
+    def count_gather(self, tile: str, spec, element_size: int) -> None:
+        """One transfer of `tile`: this rank's shard over its link, the whole (padded) tile assembled."""
+        self.h2d_bytes += spec.shard * element_size
+        self.gathered_bytes += spec.padded * element_size
+        self.h2d_count[tile] = self.h2d_count.get(tile, 0) + 1
+
 
 @dataclass
 class _RowPlan:
@@ -203,7 +233,42 @@ class _RowPlan:
     pos: torch.Tensor  # [u] where this rank's unique ids sit in `used` (device)
 
 
-class DistStreamer(WeightStreamer):
+class RowsFromOwners:
+    """embed_rows: the step's embedding rows from the ranks that own them (module docstring). Mixed into
+    DistStreamer and dist_pipeline.DistCudaStreamer; uses their store, device, dtype, ctx, stats (DistStats),
+    before_read and acquire, and leaves the step's row plan in `rows` for the sink's send_rows."""
+
+    rows: _RowPlan | None = None
+
+    def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
+        """The embedding rows of this rank's unique token ids (host int64, sorted), [u, H] in the compute
+        dtype on the device, in that order. Small and synchronous on every path: two host syncs (the used
+        set's size and bounds) and a pageable H2D of this rank's |U|/N rows."""
+        V, H = self.store.adapter.vocab_size, self.store.adapter.hidden_size
+        ids = uniq.to(self.device)
+        if self.store.adapter.tied:
+            return self.acquire("embed").view(V, H)[ids]
+        mark = torch.zeros(V, dtype=torch.int32, device=self.device)
+        mark[ids] = 1
+        self.ctx.all_reduce(mark)  # counts of ranks using each row
+        used = mark.nonzero().squeeze(1)
+        spec = self.store.shards["embed"]
+        rows_per, first = spec.shard // H, spec.start // H
+        bounds = torch.searchsorted(used, torch.tensor([first, first + rows_per], device=self.device))
+        lo, hi = (int(b) for b in bounds.tolist())
+        local = (used[lo:hi] - first).cpu()
+        buf = torch.zeros(used.numel(), H, dtype=self.dtype, device=self.device)
+        if self.before_read is not None:
+            self.before_read("embed")
+        buf[lo:hi] = self.store.tiles["embed"].master.view(rows_per, H)[local].to(self.device, self.dtype)
+        self.ctx.all_reduce(buf)  # one non-zero term per element: exact
+        self.rows = _RowPlan(used, lo, hi, local, torch.searchsorted(used, ids))
+        # (not in h2d_bytes: one process does not count its embedding rows there either)
+        self.stats.reduced_bytes += buf.numel() * buf.element_size() + mark.numel() * 4
+        return buf[self.rows.pos]
+
+
+class DistStreamer(RowsFromOwners, WeightStreamer):
     """WeightStreamer over a ShardedHostStore: shard H2D, then an all-gather into the whole-layer slot."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
@@ -219,7 +284,7 @@ class DistStreamer(WeightStreamer):
         self.stats = DistStats()
         self.on_bind = None
         self.before_read = before_read
-        self.rows: _RowPlan | None = None
+        self.rows = None
         self._stall = 0.0
 
     def begin_step(self, order: list[str]) -> None:
@@ -254,48 +319,16 @@ class DistStreamer(WeightStreamer):
         mine = full[spec.start:spec.stop]
         mine.copy_(self.store.tiles[tile].master)  # this rank's shard only, cast fp32 -> compute dtype
         self.ctx.all_gather(full, mine)
-        size = slot.buffer.element_size()
-        self.stats.h2d_bytes += spec.shard * size
-        self.stats.gathered_bytes += spec.padded * size
-        self.stats.h2d_count[tile] = self.stats.h2d_count.get(tile, 0) + 1
-
-    def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
-        """The embedding rows of this rank's unique token ids (host int64, sorted), [u, H] in the compute
-        dtype on the device, in that order (see the module docstring for the collectives)."""
-        V, H = self.store.adapter.vocab_size, self.store.adapter.hidden_size
-        ids = uniq.to(self.device)
-        if self.store.adapter.tied:
-            return self.acquire("embed").view(V, H)[ids]
-        mark = torch.zeros(V, dtype=torch.int32, device=self.device)
-        mark[ids] = 1
-        self.ctx.all_reduce(mark)  # counts of ranks using each row
-        used = mark.nonzero().squeeze(1)
-        spec = self.store.shards["embed"]
-        rows_per, first = spec.shard // H, spec.start // H
-        bounds = torch.searchsorted(used, torch.tensor([first, first + rows_per], device=self.device))
-        lo, hi = (int(b) for b in bounds.tolist())
-        local = (used[lo:hi] - first).cpu()
-        buf = torch.zeros(used.numel(), H, dtype=self.dtype, device=self.device)
-        if self.before_read is not None:
-            self.before_read("embed")
-        buf[lo:hi] = self.store.tiles["embed"].master.view(rows_per, H)[local].to(self.device, self.dtype)
-        self.ctx.all_reduce(buf)  # one non-zero term per element: exact
-        self.rows = _RowPlan(used, lo, hi, local, torch.searchsorted(used, ids))
-        # (not in h2d_bytes: one process does not count its embedding rows there either)
-        self.stats.reduced_bytes += buf.numel() * buf.element_size() + mark.numel() * 4
-        return buf[self.rows.pos]
-
-    def device_bytes(self) -> int:
-        slots = [*self.layer_slots, self.head_slot] + ([self.embed_slot] if self.embed_slot else [])
-        return sum(s.buffer.numel() * s.buffer.element_size() for s in slots)
+        self.stats.count_gather(tile, spec, slot.buffer.element_size())
 
 
-class DistGradSink(GradSink):
-    """Gradients leave the device reduce-scattered: each rank's host grad section gets its shard of the
-    sum over ranks. Keeps this rank's share of the global squared norm (`take_sq_norm`)."""
+class ShardedGradients:
+    """What a sink does with a sharded store (mixed into DistGradSink and dist_pipeline.DistCudaGradSink):
+    reduce-scatter a tile's gradient, keep this rank's share of the global squared norm (`take_sq_norm`),
+    land the embedding's row gradients on their owners (`send_rows`). Uses the sink's store, stats
+    (DistStats), finish, _await_tile and _landed."""
 
-    def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext):
-        super().__init__(store, streamer.stats)
+    def _attach(self, streamer, ctx: DistContext) -> None:
         self.streamer, self.ctx = streamer, ctx
         self._sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
 
@@ -307,9 +340,9 @@ class DistGradSink(GradSink):
         sq, self._sq = self._sq, torch.zeros_like(self._sq)
         return sq
 
-    def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
-        """`grad`: this rank's fp32 gradient of the whole tile, padded (store.padded_numel). `sq_norm`, the
-        local unreduced norm, is not this rank's share of the global one: it is recomputed on the shard."""
+    def _reduce(self, tile: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's shard of the sum over ranks of `grad`, its squared norm), the norm also added to this
+        rank's share; on the current stream. `grad`: this rank's fp32 gradient of the whole tile, padded."""
         spec = self.store.shards[tile]
         if grad.numel() != spec.padded:
             raise ValueError(f"{tile}: the gradient has {grad.numel()} elements, the sharded store needs "
@@ -317,16 +350,15 @@ class DistGradSink(GradSink):
         mine = self.ctx.reduce_scatter(grad)
         sq = torch.dot(mine, mine)
         self._sq.add_(sq)
-        dst = self.store.tiles[tile].grad
-        dst.copy_(mine)
-        self.stats.d2h_bytes += mine.numel() * dst.element_size()
         self.stats.reduced_bytes += grad.numel() * grad.element_size()
-        self._landed(tile, sq)
+        return mine, sq
 
     def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor,
                   sq_norm: torch.Tensor | None = None) -> None:
         """This rank's row gradients of its unique ids `index` (the order embed_rows saw): summed over
-        ranks on the device; each rank keeps the rows it owns."""
+        ranks on the device; each rank keeps the rows it owns. Synchronous (one D2H of |U|/N rows), after
+        every gradient sent before it has landed (finish: landing order, and the norm share's stream)."""
+        self.finish()
         plan = self.streamer.rows
         if plan is None:
             raise RuntimeError("send_rows before embed_rows in this step")
@@ -338,8 +370,28 @@ class DistGradSink(GradSink):
         sq = mine.square().sum()
         self._sq.add_(sq)
         dst = self.store.tiles[tile].grad.view(-1, H)
+        self._await_tile(tile)
         dst.zero_()
         dst.index_copy_(0, plan.local, mine.to("cpu", dst.dtype))
         self.stats.d2h_bytes += mine.numel() * dst.element_size()
         self.stats.reduced_bytes += buf.numel() * buf.element_size()
+        self._landed(tile, sq)
+
+
+class DistGradSink(ShardedGradients, GradSink):
+    """Gradients leave the device reduce-scattered: each rank's host grad section gets its shard of the
+    sum over ranks. Keeps this rank's share of the global squared norm (`take_sq_norm`)."""
+
+    def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext):
+        super().__init__(store, streamer.stats)
+        self._attach(streamer, ctx)
+
+    def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
+        """`grad`: this rank's fp32 gradient of the whole tile, padded (store.padded_numel). `sq_norm`, the
+        local unreduced norm, is not this rank's share of the global one: it is recomputed on the shard."""
+        mine, sq = self._reduce(tile, grad)
+        dst = self.store.tiles[tile].grad
+        self._await_tile(tile)
+        dst.copy_(mine)
+        self.stats.d2h_bytes += mine.numel() * dst.element_size()
         self._landed(tile, sq)

@@ -55,8 +55,9 @@ class Engine:
     `dist` (a DistContext, issue #11) makes this engine one data-parallel rank: `store` is this rank's
     ShardedHostStore, `step` gets this rank's share of the step's micro-batches (split_micro_batches),
     layers are assembled on the device by all-gathers and gradients leave reduce-scattered, the loss is
-    normalised by the global token count and the gradient norm is global (engine/distributed.py). Only
-    the synchronous streamer exists for it so far (on CUDA too). Without `dist`, nothing changes.
+    normalised by the global token count and the gradient norm is global (engine/distributed.py). On
+    CUDA the transfers overlap compute as on one GPU (engine/dist_pipeline.py) unless dist.overlap is
+    False; on the CPU they are synchronous. Without `dist`, nothing changes.
     """
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
@@ -92,7 +93,13 @@ class Engine:
             self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
                                           max_grad_norm=train.max_grad_norm, speculate=speculate)
         before_read = self.worker.wait if self.worker else None
-        if dist is not None:
+        if dist is not None and device.type == "cuda" and dist.overlap:
+            from megatrain_cli.engine.dist_pipeline import DistCudaGradSink, DistCudaStreamer
+
+            self.streamer = DistCudaStreamer(store, device, self.dtype, dist, layer_slots=layer_slots,
+                                             double_buffer=double_buffer, before_read=before_read)
+            self.sink = DistCudaGradSink(store, self.streamer, dist, slabs=grad_slabs)
+        elif dist is not None:  # gloo on the CPU, or the synchronous reference path asked for (dist.overlap)
             from megatrain_cli.engine.distributed import DistGradSink, DistStreamer
 
             self.streamer = DistStreamer(store, device, self.dtype, dist, layer_slots=layer_slots,
@@ -111,8 +118,6 @@ class Engine:
         if self.worker is not None:
             self.sink.on_landed = self.worker.landed  # AdamW starts on a tile as soon as its gradient lands
             self.sink.before_write = self.worker.wait_state  # deferred moments read the old gradient
-            if dist is not None:  # the sharded sink does not call before_write yet: no deferred moments
-                self.optimizer.defer_moments = False
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass
         self.redirect = WeightRedirect(self.streamer.resident)
