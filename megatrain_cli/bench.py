@@ -240,7 +240,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                f"{fmt_bytes(plan.device_total)}; {fmt_bytes(pinned)} pinned in {t_pin:.1f} s; checkpoint offload "
                f"D2H {fmt_bytes(ckpt_d2h // steps)}/step, H2D {fmt_bytes(ckpt_h2d // steps)}/step, late gets "
                f"{off.late_gets}; allocator {alloc_conf or 'n/a'}. " if lean is not None else "") +
-              f"kernels={engine.kernels} checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
+              f"kernels={engine.kernels} host_adamw={engine.optimizer.kernel} "
+              f"defer_moments={engine.optimizer.defer_moments} checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
               f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} speculate={speculate} "
               f"max_grad_norm={max_grad_norm} "
               f"predicted_peak_GiB={(lean.predicted_peak if lean else plan.device_total) / 2**30:.1f} "

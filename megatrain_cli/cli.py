@@ -101,6 +101,10 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                                            "off, or auto (batch 1, no accumulation, seq >= 32k)."),
           sdpa: str = typer.Option("auto", help="Long-context SDPA backends: auto (cudnn, flash, efficient), or one."),
           kernels: str = typer.Option("auto", help="auto (Triton on CUDA), triton or torch (ablation)."),
+          host_adamw: str = typer.Option("auto", help="Host AdamW code: auto (the C++ kernel where it compiles), "
+                                         "cpp or torch (ablation)."),
+          no_defer_moments: bool = typer.Option(False, help="Ablation: clipped steps' updates store weights and "
+                                                "moments in one pass (no deferred moments pass)."),
           no_memory_fallback: bool = typer.Option(False, help="Refuse a step whose plan does not fit the device "
                                                   "budget instead of taking the memory-lean path (interval 1, "
                                                   "checkpoints in pinned host memory as needed)."),
@@ -127,6 +131,14 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         _fail("bench needs a CUDA GPU (use --device cpu for a functional run on a small preset)")
     if kernels not in ("auto", "torch", "triton"):
         _fail(f"--kernels: auto, torch or triton, got {kernels!r}")
+    if host_adamw not in ("auto", "torch", "cpp"):
+        _fail(f"--host-adamw: auto, cpp or torch, got {host_adamw!r}")
+    # Through the environment, which every engine this command makes reads (short and long context, the
+    # data-parallel ranks it spawns): optim/cpu_adamw.py's KERNEL_ENV and DEFER_ENV.
+    from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV
+
+    os.environ[KERNEL_ENV] = host_adamw
+    os.environ[DEFER_ENV] = "0" if no_defer_moments else "1"
     baselines = [x.strip() for x in baseline.split(",")] if baseline else []
     if any(x not in ("native", "deepspeed") for x in baselines):
         _fail(f"unknown baseline '{baseline}' (native, deepspeed, or native,deepspeed)")

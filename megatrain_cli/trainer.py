@@ -305,7 +305,8 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
                     grad_slabs=e.grad_slabs, double_buffer=e.double_buffer,
                     overlap_optimizer=e.overlap_optimizer and device.type == "cuda",
                     speculate=e.speculate_optimizer, keep_blocks=keep, long_context=long_ctx,
-                    kernels=e.kernels, **({} if dist is None else {"dist": dist}))
+                    kernels=e.kernels, host_adamw=e.host_adamw, defer_moments=e.defer_moments,
+                    **({} if dist is None else {"dist": dist}))
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
     start, skipped = 0, 0

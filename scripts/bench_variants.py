@@ -26,7 +26,7 @@ from dataclasses import asdict
 import torch
 
 from megatrain_cli import bench as b
-from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV, resolve_kernel
+from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 
@@ -75,8 +75,6 @@ def main() -> int:
         try:
             r = b.bench_engine(args.model, batch_v, seq_v, args.steps, store=store, log=log, frame_path=frame,
                                **kwargs)
-            defer = os.environ.get(DEFER_ENV, "1") != "0" and resolve_kernel() == "cpp"
-            r.notes += f" host_adamw={resolve_kernel()} defer_moments={defer}"
         except b.DoesNotFit as err:
             print(f"variant {name}: {err}", flush=True)
             continue

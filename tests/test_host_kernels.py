@@ -217,6 +217,25 @@ def test_weights_then_moments_is_bit_identical_to_the_update(grad_dtype, clip, n
         assert_state_equal(a, b)
 
 
+def test_the_engine_takes_the_recipes_choice_over_the_environment(monkeypatch):
+    from megatrain_cli.engine.step import Engine
+    from megatrain_cli.models.loader import build_store
+    from tests.reference import tiny_config
+
+    monkeypatch.setenv(KERNEL_ENV, "cpp")
+    store = build_store(tiny_config("Qwen2ForCausalLM", layers=2), torch.float32, seed=0)
+    engine = Engine(store, CFG, device=torch.device("cpu"), host_adamw="torch", overlap_optimizer=True)
+    try:
+        assert engine.optimizer.kernel == "torch" and not engine.optimizer.defer_moments
+    finally:
+        engine.close()
+    engine = Engine(store, CFG, device=torch.device("cpu"), defer_moments=False, overlap_optimizer=True)
+    try:
+        assert engine.optimizer.kernel == "cpp" and not engine.optimizer.defer_moments  # the environment's
+    finally:
+        engine.close()
+
+
 def test_defer_moments_choice(monkeypatch):
     monkeypatch.delenv(DEFER_ENV, raising=False)
     assert HostAdamW(CFG, kernel="cpp").defer_moments

@@ -164,3 +164,12 @@ def test_render_yaml_round_trips_odd_values(tmp_path):
     dumped = tmp_path / "resolved.yaml"
     dumped.write_text(render_yaml(r))
     assert load_recipe(dumped) == r
+
+
+def test_host_adamw_keys():
+    r = load_recipe(RECIPES / "tiny.yaml", ["engine.host_adamw=torch", "engine.defer_moments=false"])
+    assert (r.engine.host_adamw, r.engine.defer_moments) == ("torch", False)
+    assert (load_recipe(RECIPES / "tiny.yaml").engine.host_adamw, load_recipe(RECIPES / "tiny.yaml").engine.defer_moments) \
+        == ("auto", True)
+    with pytest.raises(RecipeError, match="host_adamw"):
+        load_recipe(RECIPES / "tiny.yaml", ["engine.host_adamw=fast"])

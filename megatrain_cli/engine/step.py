@@ -52,6 +52,10 @@ class Engine:
     (kernel_patch.resolve). A kernel whose Triton path fails falls back to its PyTorch reference with
     one warning (the registry in megatrain_cli.kernels).
 
+    `host_adamw` ('auto' | 'torch' | 'cpp') and `defer_moments` pick the host AdamW code and whether
+    deferred (clipped-step) updates store their moments after the next forward (optim/cpu_adamw.py,
+    optim/worker.py); None: MEGATRAIN_HOST_KERNEL / MEGATRAIN_DEFER_MOMENTS, else 'auto' and on.
+
     `dist` (a DistContext, issue #11) makes this engine one data-parallel rank: `store` is this rank's
     ShardedHostStore, `step` gets this rank's share of the step's micro-batches (split_micro_batches),
     layers are assembled on the device by all-gathers and gradients leave reduce-scattered, the loss is
@@ -65,6 +69,7 @@ class Engine:
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
                  double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
                  long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
+                 host_adamw: str | None = None, defer_moments: bool | None = None,
                  dist: DistContext | None = None):
         if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
             raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
@@ -87,7 +92,7 @@ class Engine:
         self.templates = TemplatePool(self.adapter)
         self.norm_template = self.adapter.make_norm_template()
         self.rotary = self.adapter.make_rotary(device)
-        self.optimizer = HostAdamW(train)
+        self.optimizer = HostAdamW(train, kernel=host_adamw, defer_moments=defer_moments)
         self.worker = None
         if overlap_optimizer:
             self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
