@@ -349,9 +349,11 @@ def load_tiles(store: HostStore, path: str | Path, sections: tuple[str, ...] = S
     temporary copy: bytes land directly in the views). Returns the manifest."""
     path = Path(path)
     manifest = _read_manifest(path)
-    if "world" in manifest:
-        raise CheckpointError(f"{path} was written by {manifest['world']} data-parallel ranks (one shard each); "
-                              f"resume it with --gpus {manifest['world']}")
+    if "world" in manifest:  # written by N data-parallel ranks: gathered from their shard files
+        from megatrain_cli.checkpoint_sharded import load_resharded
+
+        load_resharded(store, path, manifest, sections)
+        return manifest
     _check_fits(store, manifest, path)
     for entry in manifest["tiles"]:
         _read_tile(store.tiles[entry["name"]], path / entry["file"], entry, sections)
@@ -370,69 +372,10 @@ def load_checkpoint(store: HostStore, path: str | Path) -> dict:
     if zlib.crc32(raw) != manifest["files"][TRAINER_STATE]["crc32"]:
         raise CheckpointError(f"{path / TRAINER_STATE}: checksum mismatch (file corrupted)")
     trainer_state = json.loads(raw)
-    if getattr(store, "world", None) is not None:  # a ShardedHostStore: this rank's shard files
-        _load_shards(store, path, manifest)
+    if getattr(store, "world", None) is not None:  # a ShardedHostStore: this rank's part, from any N
+        from megatrain_cli.checkpoint_sharded import load_rank
+
+        load_rank(store, path, manifest)
     else:
         load_tiles(store, path)
     return trainer_state
-
-
-# ---------------------------------------------------------------- data-parallel ranks (issue #11)
-# A checkpoint of N ranks (store/sharded.py) keeps the layout above with the tile files per rank,
-#     tiles/rank{r}/{name}.safetensors   one flat tensor per section: the rank's shard, padding included
-# and the manifest records "world": N and "shards": [the tile entries of rank 0, of rank 1, ...]
-# (its "tiles" list is empty). Every rank writes its own files into the same temp dir; rank 0 writes
-# the rest and the manifest, last, then publishes. Resuming needs the same N (re-sharding: not yet).
-def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_state: dict,
-                            keep_last_n: int = 2, *, tokenizer=None) -> Path:
-    """save_checkpoint for one rank of a ShardedHostStore; a collective (every rank calls it, on a file
-    system all ranks share)."""
-    import torch.distributed as dist
-
-    output_dir = Path(output_dir)
-    rank, world, group = store.rank, store.world, store.cpu_group
-    state_bytes = (json.dumps(trainer_state, indent=2) + "\n").encode()
-    final, tmp = output_dir / f"step_{step}", output_dir / f".step_{step}.tmp"
-    if rank == 0:
-        if not output_dir.is_dir():
-            output_dir.mkdir(parents=True)
-            fsync_dir(output_dir.parent)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "tiles").mkdir(parents=True)
-    dist.barrier(group=group)
-    mine = tmp / "tiles" / f"rank{rank}"
-    mine.mkdir()
-    tiles = []
-    for name, tile in store.tiles.items():
-        rel = f"tiles/rank{rank}/{name}.safetensors"
-        tiles.append({"name": name, "file": rel, "shard": store.shards[name].shard, **_write_tile(tile, tmp / rel)})
-        _event("tile_written", name)
-    fsync_dir(mine)
-    shards: list = [None] * world
-    dist.all_gather_object(shards, tiles, group=group)
-    if rank == 0:
-        fsync_dir(tmp / "tiles")
-        files = _write_side_files(tmp, store, state_bytes, tokenizer)
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": _model_summary(store),
-                    "world": world, "tiles": [], "shards": shards, "files": files}
-        _seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
-    dist.barrier(group=group)
-    return final
-
-
-def _load_shards(store, path: Path, manifest: dict[str, Any]) -> None:
-    world = manifest.get("world")
-    if world != store.world:
-        what = f"{world} data-parallel ranks" if world else "one process"
-        raise CheckpointError(f"{path} was written by {what}, this run has {store.world} ranks: resuming on another "
-                              f"number of ranks is not supported yet (use --gpus {world or 1})")
-    entries = manifest["shards"][store.rank]
-    names = [t["name"] for t in entries]
-    if names != list(store.tiles) or any(t["shard"] != store.shards[t["name"]].shard for t in entries):
-        raise CheckpointError(f"{path} was written for another model: checkpoint model {manifest.get('model')}, "
-                              f"this model {_model_summary(store)}")
-    for entry in entries:
-        _read_tile(store.tiles[entry["name"]], path / entry["file"], entry, SECTIONS)
-    for entry in entries:
-        store.tiles[entry["name"]].step = int(entry["step"])

@@ -12,8 +12,8 @@ On CUDA each rank takes the GPU LOCAL_RANK and NCCL (multicast off); on the CPU 
 rank draws the same global batch from the same data stream, so train.grad_accum must be a multiple of
 N (>= N). Rank 0 alone prints the dashboard, writes metrics.jsonl and exports final/ (the masters
 gathered tile by tile into a whole host store on rank 0, then export.export_hf). Checkpoints are
-written per shard (checkpoint.save_sharded_checkpoint); resuming needs the same N (re-sharding a
-checkpoint for another N is not implemented yet).
+written per shard (checkpoint_sharded.save_sharded_checkpoint) and resume on any N, one process
+included: each rank gathers its range from the shard files that hold it (checkpoint_sharded.py).
 """
 
 from __future__ import annotations

@@ -331,7 +331,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
     def checkpoint(step: int) -> None:
         engine.synchronize()  # pending host updates land before the masters are read
         if dist is not None:
-            from megatrain_cli.checkpoint import save_sharded_checkpoint as save
+            from megatrain_cli.checkpoint_sharded import save_sharded_checkpoint as save
         else:
             save = save_checkpoint
         save(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},

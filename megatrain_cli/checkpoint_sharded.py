@@ -1,0 +1,170 @@
+"""Checkpoints of data-parallel ranks (issue #11): written per shard, read back on any number of ranks.
+
+A checkpoint of N ranks (store/sharded.py) keeps checkpoint.py's layout with the tile files per rank,
+
+    tiles/rank{r}/{name}.safetensors   one flat tensor per section: the rank's shard, padding included
+
+and the manifest records "world": N and "shards": [the tile entries of rank 0, of rank 1, ...] (its
+"tiles" list is empty). Every rank writes its own files into the same temp dir; rank 0 writes the rest
+and the manifest, last, then publishes (checkpoint._seal_and_publish).
+
+Reading: on the same N each rank reads its own files whole (checkpoint._read_tile: header and section
+checksums). On another N, or in one process (resume, export), each needed element range is gathered
+from the files that hold it, in the tiles' flat coordinates, which do not depend on N: rank r of N holds
+elements [r * shard, (r + 1) * shard) of every section, a one-process file all of them. A source section
+is streamed whole through a 64 MiB buffer so that its checksum is checked too, and only the overlap is
+copied: resharding reads each touched file's sections in full (one rank of M reads up to the whole
+checkpoint; it is the rare path), never holds more than one buffer beside the store.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from megatrain_cli.checkpoint import (CHUNK_BYTES, FORMAT, SECTIONS, CheckpointError, _event, _model_summary,
+                                      _read_tile, _seal_and_publish, _write_side_files, _write_tile, fsync_dir,
+                                      read_safetensors_header, tensor_bytes)
+
+
+def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_state: dict,
+                            keep_last_n: int = 2, *, tokenizer=None) -> Path:
+    """checkpoint.save_checkpoint for one rank of a ShardedHostStore; a collective (every rank calls it,
+    on a file system all ranks share)."""
+    import torch.distributed as dist
+
+    from megatrain_cli.checkpoint import VERSION
+
+    output_dir = Path(output_dir)
+    rank, world, group = store.rank, store.world, store.cpu_group
+    state_bytes = (json.dumps(trainer_state, indent=2) + "\n").encode()
+    final, tmp = output_dir / f"step_{step}", output_dir / f".step_{step}.tmp"
+    if rank == 0:
+        if not output_dir.is_dir():
+            output_dir.mkdir(parents=True)
+            fsync_dir(output_dir.parent)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        (tmp / "tiles").mkdir(parents=True)
+    dist.barrier(group=group)
+    mine = tmp / "tiles" / f"rank{rank}"
+    mine.mkdir()
+    tiles = []
+    for name, tile in store.tiles.items():
+        rel = f"tiles/rank{rank}/{name}.safetensors"
+        tiles.append({"name": name, "file": rel, "shard": store.shards[name].shard, **_write_tile(tile, tmp / rel)})
+        _event("tile_written", name)
+    fsync_dir(mine)
+    shards: list = [None] * world
+    dist.all_gather_object(shards, tiles, group=group)
+    if rank == 0:
+        fsync_dir(tmp / "tiles")
+        files = _write_side_files(tmp, store, state_bytes, tokenizer)
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": _model_summary(store),
+                    "world": world, "tiles": [], "shards": shards, "files": files}
+        _seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
+    dist.barrier(group=group)
+    return final
+
+
+def load_rank(store, path: Path, manifest: dict[str, Any]) -> None:
+    """This rank's shards (a ShardedHostStore), from a checkpoint of any number of ranks or of one process."""
+    if manifest.get("world") == store.world:
+        _check_model(store, path, manifest)
+        entries = manifest["shards"][store.rank]
+        if any(t["shard"] != store.shards[t["name"]].shard for t in entries):
+            raise CheckpointError(f"{path}: its shards do not match this run's (same model, same ranks: "
+                                  f"written by another version?)")
+        for entry in entries:
+            _read_tile(store.tiles[entry["name"]], path / entry["file"], entry, SECTIONS)
+            store.tiles[entry["name"]].step = int(entry["step"])
+        return
+    load_resharded(store, path, manifest, SECTIONS)
+
+
+def load_resharded(store, path: Path, manifest: dict[str, Any], sections: tuple[str, ...] = SECTIONS) -> None:
+    """The chosen sections of every tile of `store` (a whole HostStore, or one rank's ShardedHostStore) from
+    the files of a checkpoint written with another number of ranks (module docstring); step counts too
+    when the moments are read."""
+    _check_model(store, path, manifest)
+    sources = _sources(store, manifest)
+    for name, tile in store.tiles.items():
+        first, count = _wanted(store, name)
+        for section in sections:
+            dst = getattr(tile, section)[:count]
+            filled = 0
+            for entry, src_first, src_count in sources[name]:
+                lo, hi = max(first, src_first), min(first + count, src_first + src_count)
+                if lo < hi:
+                    _copy_range(path / entry["file"], entry, section, src_first, src_count, lo, hi,
+                                dst[lo - first:hi - first])
+                    filled += hi - lo
+            if filled != count:
+                raise CheckpointError(f"{path}: tile {name} has {filled} of the {count} elements this store needs")
+        if "exp_avg" in sections:
+            tile.step = int(sources[name][0][0]["step"])
+
+
+def _check_model(store, path: Path, manifest: dict[str, Any]) -> None:
+    if manifest.get("model") != _model_summary(store):
+        raise CheckpointError(f"{path} was written for another model: checkpoint model {manifest.get('model')}, "
+                              f"this model {_model_summary(store)}")
+
+
+def _sources(store, manifest: dict[str, Any]) -> dict[str, list[tuple[dict, int, int]]]:
+    """Per tile: (file entry, its first element, its elements per section), in order. A one-process file
+    holds the whole tile (the same model: _check_model), whose size the store's layout gives."""
+    out: dict[str, list] = {}
+    if "world" in manifest:
+        for r, entries in enumerate(manifest["shards"]):
+            for e in entries:
+                out.setdefault(e["name"], []).append((e, r * e["shard"], e["shard"]))
+    else:
+        for e in manifest["tiles"]:
+            out[e["name"]] = [(e, 0, store.layouts[e["name"]].numel)]
+    missing = sorted(set(store.tiles) - set(out))
+    if missing:
+        raise CheckpointError(f"the checkpoint has no files for tiles {missing[:3]}")
+    return out
+
+
+def _wanted(store, name: str) -> tuple[int, int]:
+    """(first element, count) of the tile's flat range this store holds: a shard's parameters, or all."""
+    if getattr(store, "world", None) is not None:
+        spec = store.shards[name]
+        return spec.start, spec.valid
+    return 0, store.tiles[name].numel
+
+
+def _copy_range(file: Path, entry: dict, section: str, src_first: int, src_count: int, lo: int, hi: int,
+                dst: torch.Tensor) -> None:
+    """Elements [lo, hi) (tile coordinates) of `section` from a file holding [src_first, src_first +
+    src_count): the whole section is streamed so its checksum is checked; the overlap lands in `dst`."""
+    k = SECTIONS.index(section)
+    with open(file, "rb", buffering=0) as f:
+        _, raw = read_safetensors_header(f, file.name)
+        if zlib.crc32(raw) != entry["crc32"]["header"]:
+            raise CheckpointError(f"{file.name}: header checksum mismatch (file corrupted)")
+        f.seek(len(raw) + k * src_count * 4)
+        buf = torch.empty(CHUNK_BYTES // 4, dtype=torch.float32)
+        view, crc, at = tensor_bytes(buf), 0, src_first
+        while at < src_first + src_count:
+            n = min(buf.numel(), src_first + src_count - at)
+            got = 0
+            while got < n * 4:
+                r = f.readinto(view[got:n * 4])
+                if not r:
+                    raise CheckpointError(f"{file.name}: truncated (ended early)")
+                got += r
+            crc = zlib.crc32(view[:n * 4], crc)
+            a, b = max(lo, at), min(hi, at + n)
+            if a < b:
+                dst[a - lo:b - lo].copy_(buf[a - at:b - at])
+            at += n
+        if crc != entry["crc32"][section]:
+            raise CheckpointError(f"{file.name}: checksum mismatch in section {section} (file corrupted)")
