@@ -6,8 +6,8 @@
 
 A variant is NAME:key=value,key=value with bench_engine's keyword arguments (ints, floats, True/False,
 None or strings), plus batch= and seq= to change the shape (the store does not depend on it) and
-host_kernel=torch|cpp|auto and defer_moments=0|1 (the host AdamW code, as MEGATRAIN_HOST_KERNEL and
-MEGATRAIN_DEFER_MOMENTS set it, for that variant only).
+host_kernel=torch|cpp|auto, defer_moments=0|1, packer_threads=N and adamw_threads=N (environment settings
+of the engine, VARIANT_ENV, for that variant only).
 --deepspeed runs the ZeRO-3 Offload baseline after the variants (the store freed first), in its watched
 child process: on a host too small for it, the row says when and at what RSS it was killed. Prints one table at the end; writes every result as JSON to --out.
 """
@@ -26,7 +26,12 @@ from dataclasses import asdict
 import torch
 
 from megatrain_cli import bench as b
+from megatrain_cli.host_threads import ADAMW_THREADS_ENV, PACKER_THREADS_ENV
 from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV
+
+# variant keys that are environment settings of the engine, for that variant only
+VARIANT_ENV = {"host_kernel": KERNEL_ENV, "defer_moments": DEFER_ENV, "packer_threads": PACKER_THREADS_ENV,
+               "adamw_threads": ADAMW_THREADS_ENV}
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 
@@ -68,8 +73,7 @@ def main() -> int:
         print(f"=== variant {name}: {kwargs}", flush=True)
         frame = f"{args.frame_dir}/{args.model}-{name}.txt" if args.frame_dir else None
         batch_v, seq_v = kwargs.pop("batch", args.batch), b.parse_tokens(kwargs.pop("seq", seq))
-        env = {k: str(kwargs.pop(key)) for key, k in (("host_kernel", KERNEL_ENV), ("defer_moments", DEFER_ENV))
-               if key in kwargs}
+        env = {k: str(kwargs.pop(key)) for key, k in VARIANT_ENV.items() if key in kwargs}
         saved_env = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:

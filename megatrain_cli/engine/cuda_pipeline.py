@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from megatrain_cli.engine.transfers import GradSink, Slot, TransferStats, WeightStreamer
+from megatrain_cli.host_threads import PACKER_THREADS_ENV, limit_this_thread
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -56,7 +57,8 @@ class CudaStreamer(WeightStreamer):
         self.staging_done = [torch.cuda.Event() for _ in range(2)]
         self.h2d = torch.cuda.Stream(device)
         self.compute = torch.cuda.current_stream(device)
-        self._packer = ThreadPoolExecutor(1, thread_name_prefix="megatrain-packer")
+        self._packer = ThreadPoolExecutor(1, thread_name_prefix="megatrain-packer",
+                                          initializer=limit_this_thread, initargs=(PACKER_THREADS_ENV,))
         self._order: list[str] = []
         self._cursor = 0
         self._current: _DeviceSlot | None = None

@@ -48,6 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from megatrain_cli.host_threads import ADAMW_THREADS_ENV, limit_this_thread
 from megatrain_cli.optim.cpu_adamw import HostAdamW
 from megatrain_cli.store.tiles import HostStore
 
@@ -231,6 +232,10 @@ class OptimizerWorker:
         return None
 
     def _run(self) -> None:
+        try:
+            limit_this_thread(ADAMW_THREADS_ENV)
+        except ValueError as err:  # surfaced by the first wait()
+            self._error = err
         while True:
             job = self._next_job()
             if job is None:
