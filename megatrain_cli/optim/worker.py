@@ -30,11 +30,12 @@ is known only when the backward is done. Two ways around the wait, both exact:
              the forward the host memory bandwidth is the critical resource (the weights passes and
              the packer's casts share it), in the backward there is room. Measured on the H200, 7B,
              8x4096, clipped: moments running as soon as the weights were done, 5.48 s/step against
-             4.93 s for the single pass. `wait(tile)` waits for the weights only; `wait_state(tile)` for everything,
-             moments included: the gradient lander calls it before it replaces a tile's gradient (the
-             moments pass still reads it), and `drain` before anything reads moments (checkpoints).
-             Bit-identical to the single-pass update; it costs one more pass over m, v, g, off the
-             critical path.
+             4.93 s for the single pass; held until the head, 4.37-4.42 s per steady step against
+             4.49-4.60 (docs/benchmarks.md, session 3). `wait(tile)` waits for the weights only;
+             `wait_state(tile)` for everything, moments included: the gradient lander calls it before
+             it replaces a tile's gradient (the moments pass still reads it), and `drain` before
+             anything reads moments (checkpoints). Bit-identical to the single-pass update; it costs
+             one more pass over m, v, g, off the critical path.
 
 Jobs carry their step's context, so step t's deferred updates can still be running while step
 t+1's forward begins. One worker thread (AdamW is memory-bound; torch's fused kernel already uses
