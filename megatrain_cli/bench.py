@@ -145,7 +145,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                  device_budget: int | None = None, grad_slabs: int = 12, loss_chunk_tokens: int = 8192,
                  max_grad_norm: float | None = 1.0, device: str = "cuda", warmup: int = 1, log=print,
                  dashboard=None, frame_path: str | None = None, store=None, optimizer: bool = True,
-                 kernels: str = "auto", memory_fallback: bool = True, layers: int | None = None) -> BenchResult:
+                 kernels: str = "auto", memory_fallback: bool = True, layers: int | None = None,
+                 device_cast: bool = False) -> BenchResult:
     """Warm-up + timed steps of the engine. `dashboard` (a Dashboard) gets every step's metrics;
     `frame_path` receives the rendered text of the last step's rich frame; `store` reuses a host
     store built earlier (same preset), so several variants share one initialisation. `optimizer=False`
@@ -167,7 +168,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
         device_budget = torch.cuda.get_device_properties(dev).total_memory
     plan_args = dict(adapter=ModelAdapter(config), compute_dtype=dtype, micro_batch_size=batch, seq_len=seq,
                      grad_accum=grad_accum, checkpoint_interval=checkpoint_interval, grad_slabs=grad_slabs,
-                     layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens, device_type=dev.type)
+                     layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens, device_type=dev.type,
+                     device_cast=device_cast)
     plan, keep, lean = choose_bench_plan(plan_args, keep_activations, device_budget, dev, reused_store=store is not None,
                                          memory_fallback=memory_fallback, log=log)
     alloc_conf = ""
@@ -185,7 +187,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     engine = Engine(store, cfg, device=dev, checkpoint_interval=checkpoint_interval,
                     loss_chunk_tokens=loss_chunk_tokens, layer_slots=layer_slots, grad_slabs=grad_slabs,
                     double_buffer=double_buffer, overlap_optimizer=overlap_optimizer and optimizer, speculate=speculate,
-                    keep_blocks=kept_block_ids(n_blocks, keep), kernels=kernels, long_context=lean)
+                    keep_blocks=kept_block_ids(n_blocks, keep), kernels=kernels, long_context=lean,
+                    device_cast=device_cast)
     t_pin = time.perf_counter()
     pinned = engine.reserve_checkpoint_buffers([(batch, seq)] * grad_accum)  # 0 without a plan, and on CPU
     t_pin = time.perf_counter() - t_pin
@@ -241,7 +244,8 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                f"D2H {fmt_bytes(ckpt_d2h // steps)}/step, H2D {fmt_bytes(ckpt_h2d // steps)}/step, late gets "
                f"{off.late_gets}; allocator {alloc_conf or 'n/a'}. " if lean is not None else "") +
               f"kernels={engine.kernels} host_adamw={engine.optimizer.kernel} "
-              f"defer_moments={engine.optimizer.defer_moments} checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
+              f"defer_moments={engine.optimizer.defer_moments} device_cast={device_cast} "
+              f"checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
               f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} speculate={speculate} "
               f"max_grad_norm={max_grad_norm} "
               f"predicted_peak_GiB={(lean.predicted_peak if lean else plan.device_total) / 2**30:.1f} "

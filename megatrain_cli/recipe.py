@@ -107,6 +107,9 @@ class EngineConfig:
                                                       "use: one pass reading bf16 gradients, 1.37x torch's on the "
                                                       "H200), 'torch' (torch's fused CPU AdamW), 'auto' = cpp where "
                                                       "it compiles, else torch with one warning.", "auto")
+    device_cast: bool = doc("Experimental: page-lock the fp32 master weights and cast them to bf16 on the GPU "
+                            "(half the host memory traffic per weight transfer, twice the PCIe bytes) instead "
+                            "of casting on the host into pinned staging. CUDA, one process.", False)
     defer_moments: bool = doc("With the C++ kernel: an update that waits for the gradient norm (a clipped step) "
                               "stores the new weights first and the Adam moments later, off the next forward's "
                               "critical path. Bit-identical either way.", True)

@@ -83,7 +83,8 @@ def build_plan(r: Recipe, config, device: torch.device, long_ctx=None):
     args = dict(adapter=ModelAdapter(config), compute_dtype=DTYPES[r.model.dtype],
                 micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, grad_accum=r.train.grad_accum,
                 checkpoint_interval=r.engine.checkpoint_interval, grad_slabs=r.engine.grad_slabs,
-                loss_chunk_tokens=r.engine.loss_chunk_tokens, device_type=device.type)
+                loss_chunk_tokens=r.engine.loss_chunk_tokens, device_type=device.type,
+                device_cast=r.engine.device_cast)
     if long_ctx is not None:
         args.update(checkpoint_interval=long_ctx.checkpoint_interval, loss_chunk_tokens=long_ctx.loss_chunk_tokens)
         plan = make_plan(**args, keep_blocks=0)
@@ -306,6 +307,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
                     overlap_optimizer=e.overlap_optimizer and device.type == "cuda",
                     speculate=e.speculate_optimizer, keep_blocks=keep, long_context=long_ctx,
                     kernels=e.kernels, host_adamw=e.host_adamw, defer_moments=e.defer_moments,
+                    device_cast=e.device_cast and dist is None,
                     **({} if dist is None else {"dist": dist}))
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)

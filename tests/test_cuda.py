@@ -138,3 +138,26 @@ def test_cpp_host_kernel_and_deferred_moments_on_the_cuda_pipeline(monkeypatch):
         for section in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(getattr(other, section), getattr(tile, section)), (name, section)
         torch.testing.assert_close(tile.master, torch_path.master, rtol=1e-6, atol=2e-9)
+
+
+def test_device_cast_gives_the_host_casts_bits():
+    """engine/device_cast.py: page-locked fp32 masters DMA'd and cast on the device: fp32 -> bf16 rounds to
+    nearest even on both sides, so the run is bit-identical to the host-cast one."""
+    runs = []
+    for device_cast in (False, True):
+        config = tiny_config("Qwen2ForCausalLM", layers=6, hidden=64, inter=192)
+        store = build_store(config, torch.bfloat16, seed=3)
+        cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1,
+                          grad_accum=ACCUM, eps=1e-6)
+        batches = random_batches(config.vocab_size, STEPS, ACCUM, batch=2, seq=32, seed=5)
+        with math_attention():
+            engine = Engine(store, cfg, device=torch.device("cuda"), checkpoint_interval=3, loss_chunk_tokens=24,
+                            overlap_optimizer=True, grad_slabs=3, device_cast=device_cast)
+            if device_cast:
+                assert engine.streamer.pinned_bytes() >= 4 * sum(store.tiles[n].numel for n in store.layer_names)
+            results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
+            engine.close()
+        runs.append(([r.losses for r in results], store))
+    assert runs[1][0] == runs[0][0]
+    for name, tile in runs[0][1].tiles.items():
+        assert torch.equal(runs[1][1].tiles[name].master, tile.master), name

@@ -53,7 +53,7 @@ class CudaStreamer(WeightStreamer):
         self.double_buffer = double_buffer
         # Two pinned staging buffers: the packer fills one while the other is in flight.
         self.staging_numel = staging_numel or big
-        self.staging = [torch.empty(self.staging_numel, dtype=dtype, pin_memory=True) for _ in range(2)]
+        self.staging = self._pinned_staging(self.staging_numel)
         self.staging_done = [torch.cuda.Event() for _ in range(2)]
         self.h2d = torch.cuda.Stream(device)
         self.compute = torch.cuda.current_stream(device)
@@ -64,6 +64,9 @@ class CudaStreamer(WeightStreamer):
         self._current: _DeviceSlot | None = None
         self._stalls: list = []
         self.wait_s = 0.0  # host time the compute thread spent waiting for late weights
+
+    def _pinned_staging(self, numel: int) -> list[torch.Tensor]:
+        return [torch.empty(numel, dtype=self.dtype, pin_memory=True) for _ in range(2)]
 
     def pinned_bytes(self) -> int:
         return sum(s.numel() * s.element_size() for s in self.staging)

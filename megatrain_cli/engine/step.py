@@ -56,6 +56,9 @@ class Engine:
     deferred (clipped-step) updates store their moments after the next forward (optim/cpu_adamw.py,
     optim/worker.py); None: MEGATRAIN_HOST_KERNEL / MEGATRAIN_DEFER_MOMENTS, else 'auto' and on.
 
+    `device_cast` (CUDA, one process): the fp32 masters are page-locked and DMA'd as they are, the cast to
+    the compute dtype runs on the device (engine/device_cast.py); off: the packer casts on the host.
+
     `dist` (a DistContext, issue #11) makes this engine one data-parallel rank: `store` is this rank's
     ShardedHostStore, `step` gets this rank's share of the step's micro-batches (split_micro_batches),
     layers are assembled on the device by all-gathers and gradients leave reduce-scattered, the loss is
@@ -69,7 +72,7 @@ class Engine:
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
                  double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
                  long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
-                 host_adamw: str | None = None, defer_moments: bool | None = None,
+                 host_adamw: str | None = None, defer_moments: bool | None = None, device_cast: bool = False,
                  dist: DistContext | None = None):
         if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
             raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
@@ -112,8 +115,10 @@ class Engine:
             self.sink = DistGradSink(store, self.streamer, dist)
         elif device.type == "cuda":
             from megatrain_cli.engine.cuda_pipeline import CudaGradSink, CudaStreamer
+            from megatrain_cli.engine.device_cast import DeviceCastStreamer
 
-            self.streamer = CudaStreamer(store, device, self.dtype, layer_slots=layer_slots,
+            streamer_cls = DeviceCastStreamer if device_cast else CudaStreamer
+            self.streamer = streamer_cls(store, device, self.dtype, layer_slots=layer_slots,
                                          double_buffer=double_buffer, before_read=before_read)
             self.sink = CudaGradSink(store, self.streamer.stats, device, slabs=grad_slabs)
         else:
