@@ -67,14 +67,12 @@ class LayerClock:
     """Each layer's forward and recompute + backward wall time, logged (through `say`, which flushes) as
     the layer completes: a run killed by a time limit leaves its per-layer figures in the log.
 
-    step.py has no per-layer hook, so the clock wraps this one engine's per-layer calls (instance
-    attributes; the class and every other engine are untouched): forward_backward (a step begins),
-    _layer outside autograd (a forward layer), _head, _record_layer (a recompute after the head) and
-    _backward_layer. A layer's time runs from the previous mark to its end, so the weight and checkpoint
-    waits before it count and the marks add up to the step; the first forward layer starts at its own
-    call (the embedding gather before it is not a layer's).
+    Installed as the engine's `on_op` observer (engine/step.py): a step's ops begin (the embedding rows and
+    the inputs are ready), then each op of the schedule is done issuing. An op's time runs from the
+    previous mark to its end, after a sync, so the weight and checkpoint waits before it count and the
+    marks add up to the layer phase of the step.
 
-    Cost: one host sync of the compute stream per layer pass (not the copy streams: weight prefetch and
+    Cost: one host sync of the compute stream per op (not the copy streams: weight prefetch and
     checkpoint offload keep overlapping). At 128K+ a layer pass takes 0.3-20 s and the sync only gives
     up the host's run-ahead into the next layer's kernel launches (milliseconds); at 32K (0.05 s per
     forward layer) that is about 1-2%. Only the long-context bench installs it: bench_engine's short
@@ -83,62 +81,32 @@ class LayerClock:
     def __init__(self, engine: Engine, say, *, prefix: str = "[bench-long]"):
         self.say, self.prefix = say, prefix
         self.steps: list[dict] = []  # per step begun: forward / recompute / backward {layer: s}, head s
-        self._mark: float | None = None
-        self._step_start = 0.0
-        self._after_head = False
+        self._mark = 0.0
         cuda = engine.device.type == "cuda"
         self._sync = torch.cuda.current_stream(engine.device).synchronize if cuda else (lambda: None)
-        self._wrap(engine)
+        engine.on_op = self._on_op
 
-    def _wrap(self, e: Engine) -> None:
-        forward_backward, layer, head = e.forward_backward, e._layer, e._head
-        record, backward = e._record_layer, e._backward_layer
-
-        def timed_forward_backward(*a, **k):
-            self.steps.append({"forward": {}, "recompute": {}, "backward": {}, "head": None})
-            self._mark, self._after_head, self._step_start = None, False, time.perf_counter()
-            return forward_backward(*a, **k)
-
-        def timed_layer(i, *a, **k):
-            if torch.is_grad_enabled():  # inside _record_layer: timed there
-                return layer(i, *a, **k)
-            return self._timed("forward", i, layer, i, *a, **k)
-
-        def timed_record(i, *a, **k):
-            return self._timed("recompute" if self._after_head else "forward", i, record, i, *a, **k)
-
-        def timed_head(*a, **k):
-            out = self._timed("head", -1, head, *a, **k)
-            self._after_head = True
-            return out
-
-        e.forward_backward, e._layer, e._head = timed_forward_backward, timed_layer, timed_head
-        e._record_layer = timed_record
-        e._backward_layer = lambda i, *a, **k: self._timed("backward", i, backward, i, *a, **k)
-
-    def _timed(self, kind: str, layer: int, fn, *a, **k):
-        if self._mark is None:
-            self._sync()
-            self._mark = time.perf_counter()
-        out = fn(*a, **k)
+    def _on_op(self, op) -> None:
         self._sync()
         now = time.perf_counter()
+        if op is None:  # a step's ops begin
+            self.steps.append({"forward": {}, "recompute": {}, "backward": {}, "head": None, "start": now})
+            self._mark = now
+            return
         took, self._mark = now - self._mark, now
-        step = self.steps[-1]
-        at = f"(step at {now - self._step_start:.1f} s)"
-        n = len(self.steps) - 1
-        if kind == "head":
+        step, n = self.steps[-1], len(self.steps) - 1
+        at = f"(step at {now - step['start']:.1f} s)"
+        if op.kind == "head":
             step["head"] = took
             self.say(f"{self.prefix} step {n} head (final norm + chunked loss) {_fmt(took)} {at}")
-        else:
-            step[kind][layer] = step[kind].get(layer, 0.0) + took  # several micro-batches: one sum per layer
-        if kind == "forward":
-            self.say(f"{self.prefix} step {n} layer {layer} forward {_fmt(took)} {at}")
-        elif kind == "backward":
-            rec = step["recompute"].get(layer, 0.0)
-            self.say(f"{self.prefix} step {n} layer {layer} recompute + backward {_fmt(rec + took)} "
+        elif op.kind in ("forward", "recompute", "backward"):
+            step[op.kind][op.layer] = step[op.kind].get(op.layer, 0.0) + took
+        if op.kind == "forward":
+            self.say(f"{self.prefix} step {n} layer {op.layer} forward {_fmt(took)} {at}")
+        elif op.kind == "backward":
+            rec = step["recompute"].get(op.layer, 0.0)
+            self.say(f"{self.prefix} step {n} layer {op.layer} recompute + backward {_fmt(rec + took)} "
                      f"(recompute {_fmt(rec)}, backward {_fmt(took)}) {at}")
-        return out
 
     def per_layer(self, first: int, count: int) -> tuple[float, float, int]:
         """(median forward, median recompute + backward, samples of each) over steps first..first+count-1.

@@ -130,6 +130,9 @@ class Engine:
             self.sink.before_write = self.worker.wait_state  # deferred moments read the old gradient
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass
+        # Op | None -> None: None when a step's ops begin, then each op once its host work is issued (a
+        # per-layer observer: bench_long's clock). Unset on the hot path: one attribute check per op.
+        self.on_op = None
         self.redirect = WeightRedirect(self.streamer.resident)
         self.streamer.on_bind = self.redirect.bind
         self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks)
@@ -300,6 +303,8 @@ class Engine:
             off.forget()  # anything a failed step left behind
         t0 = time.perf_counter()
         op = None
+        if self.on_op is not None:
+            self.on_op(None)  # the inputs are ready; the schedule's ops follow
         try:
             with self._sdpa_context():
                 for op in self.ops:
@@ -342,6 +347,8 @@ class Engine:
                         grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
                     elif op.kind == "embed_backward":
                         self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
+                    if self.on_op is not None:
+                        self.on_op(op)  # its host work is issued
         except torch.cuda.OutOfMemoryError as err:
             # Say where: the trainer's message turns the phase into what to change.
             where = f"layer {op.layer}" if op is not None and op.layer >= 0 else "head / embedding"
