@@ -60,6 +60,7 @@ class DeviceCastStreamer(CudaStreamer):
                 self._registered.append(master.data_ptr())
         except RuntimeError:
             self._unregister()
+            self._packer.shutdown(wait=False)  # the parent's packer thread, idle: nothing was queued
             raise
         self.chunk = min(CHUNK, store.largest_layer_numel())
         self.device_staging = [torch.empty(self.chunk, dtype=torch.float32, device=device) for _ in range(2)]
