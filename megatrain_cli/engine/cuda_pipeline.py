@@ -54,6 +54,7 @@ class CudaStreamer(WeightStreamer):
         # Two pinned staging buffers: the packer fills one while the other is in flight.
         self.staging_numel = staging_numel or big
         self.staging = self._pinned_staging(self.staging_numel)
+        self.chunk_numel = self.staging_numel  # elements per _copy_chunk
         self.staging_done = [torch.cuda.Event() for _ in range(2)]
         self.h2d = torch.cuda.Stream(device)
         self.compute = torch.cuda.current_stream(device)
@@ -100,14 +101,18 @@ class CudaStreamer(WeightStreamer):
         n = master.numel()
         with torch.cuda.stream(self.h2d):
             self.h2d.wait_event(slot.free)  # GPU-side: compute is done with the slot's old contents
-            for k, lo in enumerate(range(0, n, self.staging_numel)):
-                hi = min(n, lo + self.staging_numel)
-                i = k % 2
-                self.staging_done[i].synchronize()  # host: the last H2D out of this staging buffer is done
-                self.staging[i][:hi - lo].copy_(master[lo:hi])  # cast fp32 -> compute dtype, on the CPU
-                slot.buffer[lo:hi].copy_(self.staging[i][:hi - lo], non_blocking=True)
-                self.staging_done[i].record(self.h2d)
+            for k, lo in enumerate(range(0, n, self.chunk_numel)):
+                hi = min(n, lo + self.chunk_numel)
+                self._copy_chunk(k, master[lo:hi], slot.buffer[lo:hi])
             slot.ready.record(self.h2d)
+
+    def _copy_chunk(self, k: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Chunk k of a transfer, on the H2D stream: cast on the host into pinned staging, then DMA."""
+        i, n = k % 2, src.numel()
+        self.staging_done[i].synchronize()  # host: the last H2D out of this staging buffer is done
+        self.staging[i][:n].copy_(src)  # cast fp32 -> compute dtype, on the CPU
+        dst.copy_(self.staging[i][:n], non_blocking=True)
+        self.staging_done[i].record(self.h2d)
 
     def _start(self, tile: str, slot: _DeviceSlot) -> None:
         slot.tile = tile

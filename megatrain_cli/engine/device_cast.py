@@ -11,7 +11,7 @@ and a cast kernel writes the bf16 slot:
                           what the clipped regime's forward is short of (docs/perf-notes.md, session 3)
     PCIe                  4 bytes/param instead of 2: a 7B layer is 932 MB, ~17 ms at 55 GB/s, against
                           ~27 ms of forward compute at 8 x 4096 (hidden); at 1 x 4096 it would not be
-    device                2 fp32 chunk buffers (CHUNK elements each, 256 MiB) and one cast per chunk
+    device                2 fp32 chunk buffers (CHUNK elements, 128 MiB each) and one cast per chunk
     host                  the registered masters stay locked for the engine's life (4 bytes/param:
                           locked, not extra); registering takes ~1 s per 10 GB at start
     syncs                 none: copy and cast are ordered on the H2D stream, so a chunk buffer is reused
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_cli.engine.cuda_pipeline import CudaStreamer, _DeviceSlot
+from megatrain_cli.engine.cuda_pipeline import CudaStreamer
 from megatrain_cli.store.tiles import ALIGN, HostStore
 
 CHUNK = 1 << 25  # fp32 elements per device chunk buffer (128 MiB)
@@ -62,8 +62,8 @@ class DeviceCastStreamer(CudaStreamer):
             self._unregister()
             self._packer.shutdown(wait=False)  # the parent's packer thread, idle: nothing was queued
             raise
-        self.chunk = min(CHUNK, store.largest_layer_numel())
-        self.device_staging = [torch.empty(self.chunk, dtype=torch.float32, device=device) for _ in range(2)]
+        self.chunk_numel = min(CHUNK, store.largest_layer_numel())
+        self.device_staging = [torch.empty(self.chunk_numel, dtype=torch.float32, device=device) for _ in range(2)]
 
     def _pinned_staging(self, numel: int) -> list[torch.Tensor]:
         return []  # no host staging: the DMA reads the masters
@@ -74,19 +74,10 @@ class DeviceCastStreamer(CudaStreamer):
     def device_bytes(self) -> int:
         return super().device_bytes() + sum(b.numel() * b.element_size() for b in self.device_staging)
 
-    def _transfer(self, tile: str, slot: _DeviceSlot) -> None:
-        if self.before_read is not None:
-            self.before_read(tile)
-        master = self.store.tiles[tile].master
-        n = master.numel()
-        with torch.cuda.stream(self.h2d):
-            self.h2d.wait_event(slot.free)  # GPU-side: compute is done with the slot's old contents
-            for k, lo in enumerate(range(0, n, self.chunk)):
-                hi = min(n, lo + self.chunk)
-                stage = self.device_staging[k % 2][:hi - lo]
-                stage.copy_(master[lo:hi], non_blocking=True)  # DMA from the page-locked master
-                slot.buffer[lo:hi].copy_(stage)  # the cast, on the device, same stream: ordered
-            slot.ready.record(self.h2d)
+    def _copy_chunk(self, k: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+        stage = self.device_staging[k % 2][:src.numel()]
+        stage.copy_(src, non_blocking=True)  # DMA from the page-locked master
+        dst.copy_(stage)  # the cast, on the device, same stream: a buffer is reused after the cast that read it
 
     def _unregister(self) -> None:
         cudart = torch.cuda.cudart()
