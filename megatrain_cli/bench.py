@@ -217,8 +217,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
     off = engine.offloader
     step_time = wall / steps
     tokens = batch * seq * grad_accum
-    recomputed_layers = config.num_hidden_layers - sum(len(b) for b in blocks(config.num_hidden_layers,
-                                                                            checkpoint_interval)[n_blocks - keep:])
+    recomputed_layers = engine.recomputed_layers()
     # The tiled MLP's extra gate/up FLOPs are per micro-batch of batch x seq tokens, as it tiles them.
     tile = lean.mlp_tile_tokens if lean is not None and batch * seq > (lean.mlp_tile_tokens or 0) else None
     flops, executed = streamed_step_flops(store, rows=batch * grad_accum, seq=seq, recomputed_layers=recomputed_layers,

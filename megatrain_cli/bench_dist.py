@@ -192,6 +192,7 @@ def _measure(args: DistBench, ctx, log) -> dict | None:
             "split": {k: round(sum(r.times.get(k, 0.0) for r in results) / args.steps, 3)
                       for k in ("forward", "head", "backward", "optimizer", "wait_optimizer")}}
     streamer = type(engine.streamer).__name__
+    recomputed = engine.recomputed_layers()
     engine.close()
     per_rank = [mine]
     if ctx is not None:
@@ -199,8 +200,6 @@ def _measure(args: DistBench, ctx, log) -> dict | None:
         dist.all_gather_object(per_rank, mine, group=ctx.cpu_group)
     if rank != 0:
         return None
-    recomputed = config.num_hidden_layers - sum(len(b) for b in blocks(config.num_hidden_layers,
-                                                                     args.checkpoint_interval)[n_blocks - keep:])
     rows = world * args.grad_accum * args.batch
     flops, executed = streamed_step_flops(store, rows=rows, seq=args.seq, recomputed_layers=recomputed)
     return report(args, world, per_rank, flops=flops, executed=executed, params=store.num_params(),
