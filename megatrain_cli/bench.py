@@ -146,7 +146,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                  max_grad_norm: float | None = 1.0, device: str = "cuda", warmup: int = 1, log=print,
                  dashboard=None, frame_path: str | None = None, store=None, optimizer: bool = True,
                  kernels: str = "auto", memory_fallback: bool = True, layers: int | None = None,
-                 device_cast: bool = False) -> BenchResult:
+                 device_cast: bool = False, update_on_read: bool = True) -> BenchResult:
     """Warm-up + timed steps of the engine. `dashboard` (a Dashboard) gets every step's metrics;
     `frame_path` receives the rendered text of the last step's rich frame; `store` reuses a host
     store built earlier (same preset), so several variants share one initialisation. `optimizer=False`
@@ -188,7 +188,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                     loss_chunk_tokens=loss_chunk_tokens, layer_slots=layer_slots, grad_slabs=grad_slabs,
                     double_buffer=double_buffer, overlap_optimizer=overlap_optimizer and optimizer, speculate=speculate,
                     keep_blocks=kept_block_ids(n_blocks, keep), kernels=kernels, long_context=lean,
-                    device_cast=device_cast)
+                    device_cast=device_cast, update_on_read=update_on_read)
     t_pin = time.perf_counter()
     pinned = engine.reserve_checkpoint_buffers([(batch, seq)] * grad_accum)  # 0 without a plan, and on CPU
     t_pin = time.perf_counter() - t_pin
@@ -244,6 +244,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                f"{off.late_gets}; allocator {alloc_conf or 'n/a'}. " if lean is not None else "") +
               f"kernels={engine.kernels} host_adamw={engine.optimizer.kernel} "
               f"defer_moments={engine.optimizer.defer_moments} device_cast={device_cast} "
+              f"update_on_read={engine.update_on_read} "
               f"checkpoint_interval={checkpoint_interval} layer_slots={layer_slots} keep_blocks={keep} "
               f"double_buffer={double_buffer} overlap_optimizer={overlap_optimizer} speculate={speculate} "
               f"max_grad_norm={max_grad_norm} "

@@ -105,6 +105,9 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                                          "cpp or torch (ablation)."),
           no_defer_moments: bool = typer.Option(False, help="Ablation: clipped steps' updates store weights and "
                                                 "moments in one pass (no deferred moments pass)."),
+          no_update_on_read: bool = typer.Option(False, help="Ablation: after a clipped step, host AdamW's worker "
+                                                 "stores the new weights and the packer casts them (no update "
+                                                 "applied by the packer as it streams)."),
           device_cast: bool = typer.Option(False, help="Experimental: DMA the page-locked fp32 masters and cast "
                                            "on the GPU (short-context path, one GPU)."),
           no_memory_fallback: bool = typer.Option(False, help="Refuse a step whose plan does not fit the device "
@@ -175,7 +178,8 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                                               ("--no-speculation", no_speculation),
                                               ("--no-overlap-optimizer", no_overlap_optimizer),
                                               ("--long-context on", long_context == "on"),
-                                              ("--device-cast", device_cast)) if on],
+                                              ("--device-cast", device_cast),
+                                              ("--no-update-on-read", no_update_on_read)) if on],
                      as_json=as_json, output=output)
     if long_context == "on" or (long_context == "auto" and batch == 1 and grad_accum == 1 and seq_len >= 32768):
         if device_cast:
@@ -210,7 +214,8 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                 keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
                 max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device, kernels=kernels,
                 memory_fallback=not no_memory_fallback, log=lambda m: typer.echo(m, err=True), dashboard=dash,
-                frame_path=str(frame) if frame else None, layers=layers, device_cast=device_cast)]
+                frame_path=str(frame) if frame else None, layers=layers, device_cast=device_cast,
+                update_on_read=not no_update_on_read)]
     except b.DoesNotFit as err:
         _fail(f"{err}\n(the plan above has each term; --max-gpu-mem sets the device budget)", 3)
     if "native" in baselines:

@@ -110,6 +110,10 @@ class EngineConfig:
     device_cast: bool = doc("Experimental: page-lock the fp32 master weights and cast them to bf16 on the GPU "
                             "(half the host memory traffic per weight transfer, twice the PCIe bytes) instead "
                             "of casting on the host into pinned staging. CUDA, one process.", False)
+    update_on_read: bool = doc("With deferred moments: the packer applies a clipped step's weight update to each "
+                               "tile as the next forward streams it, casting the new weights straight into pinned "
+                               "staging (20 instead of 24 bytes/param of host memory traffic where the forward "
+                               "waits). One process, host casts. Bit-identical either way.", True)
     defer_moments: bool = doc("With the C++ kernel: an update that waits for the gradient norm (a clipped step) "
                               "stores the new weights first and the Adam moments later, off the next forward's "
                               "critical path. Bit-identical either way.", True)

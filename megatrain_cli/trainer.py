@@ -307,7 +307,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
                     overlap_optimizer=e.overlap_optimizer and device.type == "cuda",
                     speculate=e.speculate_optimizer, keep_blocks=keep, long_context=long_ctx,
                     kernels=e.kernels, host_adamw=e.host_adamw, defer_moments=e.defer_moments,
-                    device_cast=e.device_cast and dist is None,
+                    device_cast=e.device_cast and dist is None, update_on_read=e.update_on_read,
                     **({} if dist is None else {"dist": dist}))
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)

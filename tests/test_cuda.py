@@ -161,3 +161,33 @@ def test_device_cast_gives_the_host_casts_bits():
     assert runs[1][0] == runs[0][0]
     for name, tile in runs[0][1].tiles.items():
         assert torch.equal(runs[1][1].tiles[name].master, tile.master), name
+
+
+def test_updates_applied_on_read_on_the_cuda_pipeline():
+    """optim/worker.py read-through on the CUDA pipeline: the packer applies each clipped step's deferred
+    weight update while it fills pinned staging; the run is bit-identical to the worker's weights pass +
+    the packer's cast (same losses, same state)."""
+    from megatrain_cli.optim import host_kernels
+
+    if not host_kernels.available():
+        pytest.skip("the C++ host kernel does not compile here")
+    runs = []
+    for on_read in (False, True):
+        config = tiny_config("Qwen2ForCausalLM", layers=6, hidden=64, inter=192)
+        store = build_store(config, torch.bfloat16, seed=3)
+        cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=1e-3, warmup_steps=1,
+                          grad_accum=ACCUM, eps=1e-6)
+        batches = random_batches(config.vocab_size, STEPS, ACCUM, batch=2, seq=32, seed=5)
+        with math_attention():
+            engine = Engine(store, cfg, device=torch.device("cuda"), checkpoint_interval=3, loss_chunk_tokens=24,
+                            overlap_optimizer=True, grad_slabs=3, host_adamw="cpp", defer_moments=True,
+                            update_on_read=on_read)
+            assert engine.update_on_read == on_read
+            results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
+            engine.close()
+        runs.append(([r.losses for r in results], store))
+    assert runs[1][0] == runs[0][0]
+    for name, tile in runs[0][1].tiles.items():
+        other = runs[1][1].tiles[name]
+        for section in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(other, section), getattr(tile, section)), (name, section)

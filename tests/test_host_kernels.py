@@ -266,3 +266,88 @@ def test_engine_with_deferred_moments_is_bit_identical(monkeypatch, speculate):
         assert other.step == tile.step
         for section in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(getattr(other, section), getattr(tile, section)), (name, section)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clip", [1.0, 0.3])
+@pytest.mark.parametrize("numel,decay_numel", SIZES)
+def test_weights_in_pieces_with_their_bf16_cast_equal_the_weights_pass(grad_dtype, clip, numel, decay_numel):
+    """update_weights_span over a tile in uneven pieces (across the decay split and into the sections'
+    scalar tails) stores the weights update_weights stores, and their bf16 cast as torch casts them."""
+    opt = HostAdamW(CFG, kernel="cpp", defer_moments=True)
+    a = make_tile(numel, decay_numel, grad_dtype)
+    b = clone_tile(a)
+    for s, g in enumerate(grads(numel, grad_dtype, 3)):
+        a.grad.copy_(g)
+        b.grad.copy_(g)
+        opt.update_weights(a, LR, clip)
+        out = torch.full((numel,), float("nan"), dtype=torch.bfloat16)
+        cuts = sorted({0, numel, *(int(x) for x in torch.randint(0, numel + 1, (3,), generator=torch.Generator().manual_seed(s)))})
+        for lo, hi in zip(cuts, cuts[1:]):
+            opt.update_weights_span(b, LR, clip, lo, hi, out[lo:hi])
+        opt.count_step(b)
+        assert_state_equal(a, b)
+        assert torch.equal(out.view(torch.int16), a.master.to(torch.bfloat16).view(torch.int16))
+        opt.update_moments(a, clip)
+        opt.update_moments(b, clip)
+
+
+def test_the_bf16_cast_rounds_ties_to_even_as_torch():
+    """Weights that land exactly between two bf16 values, and the largest finite floats: the emitted cast
+    is torch's, bit for bit (one element per vector lane and in the scalar tail)."""
+    opt = HostAdamW(TrainConfig(lr=0.0, weight_decay=0.0, eps=1e-6), kernel="cpp", defer_moments=True)
+    bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x00008000, 0x80018000,
+                         0x3F800001, 0x7F800000, 0x00000001, 0x4049_0FDB, 0xBF7F_8000, 0x3F80_7FFF], dtype=torch.int64)
+    values = bits.to(torch.int32).view(torch.float32)
+    numel = values.numel()
+    tile = make_tile(numel, 0, torch.float32)
+    tile.master.copy_(values)
+    out = torch.empty(numel, dtype=torch.bfloat16)
+    opt.update_weights_span(tile, 0.0, 1.0, 0, numel, out)  # lr 0: the weights stay as they are
+    assert torch.equal(tile.master.view(torch.int32), values.view(torch.int32))
+    assert torch.equal(out.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+
+
+@pytest.mark.parametrize("speculate", [False, True])
+def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate):
+    """Read-through (optim/worker.py): with bf16 compute the streamer claims each clipped step's deferred
+    weight update and applies it as it casts the tile for the next forward; losses, norms and the whole
+    state equal the worker's own weights pass + cast bit for bit, and the claims did happen."""
+    from megatrain_cli.engine.step import Engine
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.optim.cpu_adamw import lr_at
+    from tests.reference import random_batches, tiny_config
+
+    monkeypatch.setenv(KERNEL_ENV, "cpp")
+    monkeypatch.setenv(DEFER_ENV, "1")
+    config = tiny_config("Qwen2ForCausalLM", layers=4)
+    cfg = TrainConfig(steps=4, lr=1e-3, weight_decay=0.1, max_grad_norm=1e-3, warmup_steps=1, grad_accum=2, eps=1e-6)
+    batches = random_batches(config.vocab_size, 4, 2, batch=2, seq=16, seed=5)
+    runs = []
+    for on_read in (False, True):
+        store = build_store(config, torch.bfloat16, seed=3)
+        engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
+                        overlap_optimizer=True, speculate=speculate, update_on_read=on_read)
+        assert engine.update_on_read == on_read
+        claimed = []
+        if on_read:
+            claim = engine.streamer.claim
+
+            def counted(tile, claim=claim):
+                update = claim(tile)
+                if update is not None:
+                    claimed.append(tile)
+                return update
+
+            engine.streamer.claim = counted
+        results = [engine.step(mbs, lr_at(s, cfg, 4)) for s, mbs in enumerate(batches)]
+        engine.close()
+        runs.append(([r.losses for r in results], [r.grad_norm for r in results], store, claimed))
+    (loss0, norm0, store0, _), (loss1, norm1, store1, claimed) = runs
+    assert loss1 == loss0 and norm1 == norm0
+    assert {"layers.0", "layers.3", "head"} <= set(claimed)  # the streamer applied them
+    for name, tile in store0.tiles.items():
+        other = store1.tiles[name]
+        assert other.step == tile.step, name
+        for section in ("master", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(getattr(other, section), getattr(tile, section)), (name, section)

@@ -19,6 +19,8 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 
@@ -50,6 +52,7 @@ class CudaStreamer(WeightStreamer):
         self.stats = TransferStats()
         self.on_bind = None
         self.before_read = before_read  # tile -> None; blocks until the optimizer is done with it
+        self.claim = None  # tile -> ReadThroughUpdate | None (WeightStreamer._claim_or_wait)
         self.double_buffer = double_buffer
         # Two pinned staging buffers: the packer fills one while the other is in flight.
         self.staging_numel = staging_numel or big
@@ -95,22 +98,27 @@ class CudaStreamer(WeightStreamer):
 
     # ------------------------------------------------------------ transfers (packer thread)
     def _transfer(self, tile: str, slot: _DeviceSlot) -> None:
-        if self.before_read is not None:
-            self.before_read(tile)
+        update = self._claim_or_wait(tile)
         master = self.store.tiles[tile].master
         n = master.numel()
-        with torch.cuda.stream(self.h2d):
+        with torch.cuda.stream(self.h2d), (update if update is not None else nullcontext()):
             self.h2d.wait_event(slot.free)  # GPU-side: compute is done with the slot's old contents
             for k, lo in enumerate(range(0, n, self.chunk_numel)):
                 hi = min(n, lo + self.chunk_numel)
-                self._copy_chunk(k, master[lo:hi], slot.buffer[lo:hi])
+                fill = None if update is None else partial(update.apply, lo, hi)
+                self._copy_chunk(k, master[lo:hi], slot.buffer[lo:hi], fill)
             slot.ready.record(self.h2d)
 
-    def _copy_chunk(self, k: int, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Chunk k of a transfer, on the H2D stream: cast on the host into pinned staging, then DMA."""
+    def _copy_chunk(self, k: int, src: torch.Tensor, dst: torch.Tensor, fill=None) -> None:
+        """Chunk k of a transfer, on the H2D stream: cast on the host into pinned staging, then DMA.
+        `fill(out)`, when given, writes the chunk's weights into staging instead (a read-through
+        update: the new weights, cast from registers, without re-reading the fp32 masters)."""
         i, n = k % 2, src.numel()
         self.staging_done[i].synchronize()  # host: the last H2D out of this staging buffer is done
-        self.staging[i][:n].copy_(src)  # cast fp32 -> compute dtype, on the CPU
+        if fill is None:
+            self.staging[i][:n].copy_(src)  # cast fp32 -> compute dtype, on the CPU
+        else:
+            fill(self.staging[i][:n])
         dst.copy_(self.staging[i][:n], non_blocking=True)
         self.staging_done[i].record(self.h2d)
 

@@ -74,7 +74,9 @@ class DeviceCastStreamer(CudaStreamer):
     def device_bytes(self) -> int:
         return super().device_bytes() + sum(b.numel() * b.element_size() for b in self.device_staging)
 
-    def _copy_chunk(self, k: int, src: torch.Tensor, dst: torch.Tensor) -> None:
+    def _copy_chunk(self, k: int, src: torch.Tensor, dst: torch.Tensor, fill=None) -> None:
+        if fill is not None:
+            raise RuntimeError("device_cast streams the fp32 masters: it cannot take a read-through update")
         stage = self.device_staging[k % 2][:src.numel()]
         stage.copy_(src, non_blocking=True)  # DMA from the page-locked master
         dst.copy_(stage)  # the cast, on the device, same stream: a buffer is reused after the cast that read it

@@ -59,6 +59,11 @@ class Engine:
     `device_cast` (CUDA, one process): the fp32 masters are page-locked and DMA'd as they are, the cast to
     the compute dtype runs on the device (engine/device_cast.py); off: the packer casts on the host.
 
+    `update_on_read` (one process, host casts, bf16 compute, the C++ kernel with deferred moments): a clipped
+    step's weight updates are applied by the packer as the next forward streams each tile, the new weights
+    cast into pinned staging from registers (optim/worker.py: read-through); off: the worker updates, the
+    packer casts. Bit-identical either way.
+
     `dist` (a DistContext, issue #11) makes this engine one data-parallel rank: `store` is this rank's
     ShardedHostStore, `step` gets this rank's share of the step's micro-batches (split_micro_batches),
     layers are assembled on the device by all-gathers and gradients leave reduce-scattered, the loss is
@@ -73,7 +78,7 @@ class Engine:
                  double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
                  long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
                  host_adamw: str | None = None, defer_moments: bool | None = None, device_cast: bool = False,
-                 dist: DistContext | None = None):
+                 update_on_read: bool = True, dist: DistContext | None = None):
         if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
             raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
                              f"the engine was given {checkpoint_interval}: pass "
@@ -97,6 +102,7 @@ class Engine:
         self.rotary = self.adapter.make_rotary(device)
         self.optimizer = HostAdamW(train, kernel=host_adamw, defer_moments=defer_moments)
         self.worker = None
+        self.update_on_read = False
         if overlap_optimizer:
             self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
                                           max_grad_norm=train.max_grad_norm, speculate=speculate)
@@ -128,6 +134,13 @@ class Engine:
         if self.worker is not None:
             self.sink.on_landed = self.worker.landed  # AdamW starts on a tile as soon as its gradient lands
             self.sink.before_write = self.worker.wait_state  # deferred moments read the old gradient
+            # A clipped step's weights are updated by the packer as the next forward streams them (optim/
+            # worker.py: read-through): the host-cast streamers of one process, bf16 compute, C++ kernel.
+            self.update_on_read = (update_on_read and self.optimizer.defer_moments and self.dtype == torch.bfloat16
+                                   and dist is None and not device_cast)
+            if self.update_on_read:
+                self.worker.read_through = True
+                self.streamer.claim = self.worker.claim
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass
         # Op | None -> None: None when a step's ops begin, then each op once its host work is issued (a

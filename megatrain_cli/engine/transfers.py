@@ -55,6 +55,8 @@ class WeightStreamer:
         self.stats = TransferStats()
         self.on_bind = None  # callback(tile, flat) so saved-tensor hooks know which buffer holds what
         self.before_read = before_read  # tile -> None: blocks until the host optimizer is done with it
+        # tile -> ReadThroughUpdate | None: a deferred update this read applies itself (optim/worker.py)
+        self.claim = None
 
     # ------------------------------------------------------------ residency
     def _slot_for(self, tile: str) -> Slot:
@@ -104,10 +106,21 @@ class WeightStreamer:
         """A host-side wait; on the synchronous path there is no device stream to account it to."""
         wait()
 
-    def _copy_in(self, tile: str, dst: torch.Tensor) -> None:
-        if self.before_read is not None:
+    def _claim_or_wait(self, tile: str):
+        """The tile's held update for this read to apply (read-through), or None once its weights are
+        current (a host-side wait when host AdamW is behind)."""
+        update = self.claim(tile) if self.claim is not None else None
+        if update is None and self.before_read is not None:
             self.before_read(tile)
-        dst.copy_(self.store.tiles[tile].master)  # cast fp32 -> compute dtype on the way
+        return update
+
+    def _copy_in(self, tile: str, dst: torch.Tensor) -> None:
+        update = self._claim_or_wait(tile)
+        if update is None:
+            dst.copy_(self.store.tiles[tile].master)  # cast fp32 -> compute dtype on the way
+            return
+        with update:
+            update.apply(0, dst.numel(), dst)
 
     def pinned_bytes(self) -> int:
         return 0

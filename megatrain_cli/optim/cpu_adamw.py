@@ -190,6 +190,24 @@ class HostAdamW:
                                      beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip)
         tile.step += 1
 
+    def update_weights_span(self, tile: Tile, lr: float, clip: float, lo: int, hi: int, out: torch.Tensor) -> None:
+        """`update_weights` for elements [lo, hi) of the tile, also writing their new bf16 weights into
+        `out` (hi - lo elements): the read-through update of optim/worker.py, which calls it over a tile's
+        whole range in pieces and then `count_step` once. Bit-identical to update_weights + a cast."""
+        step = float(tile.step + 1)
+        for start, end, wd in self._sections(tile):
+            a, b = max(lo, start), min(hi, end)
+            if a < b:
+                self._cpp.update_weights_emit(
+                    tile.master[a:b], tile.grad[a:b], tile.exp_avg[a:b], tile.exp_avg_sq[a:b], out[a - lo:b - lo],
+                    step=step, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip,
+                    section_offset=a - start, section_numel=end - start)
+
+    @staticmethod
+    def count_step(tile: Tile) -> None:
+        """The tile's update is complete (after update_weights_span has covered it)."""
+        tile.step += 1
+
     def update_moments(self, tile: Tile, clip: float = 1.0) -> None:
         """The moments of the update_weights just done on this tile, from the same gradient and clip."""
         for start, end, _ in self._sections(tile):

@@ -23,6 +23,11 @@ Two entry points over contiguous flat sections of a tile, each ONE pass over the
                  bit-identical to adamw_update (the same expressions, the same vector/tail split); apart,
                  the weights the next forward needs are ready after the smaller pass, and the moments
                  pass runs later, off the critical path (worker.py: deferred moments).
+  adamw_weights_emit  adamw_weights over a piece of a section, also storing the new weights' bf16 cast
+                 (round to nearest even, as torch's cast) into a second buffer: the packer applies a
+                 clipped step's update as it reads the tile and writes the result straight into pinned
+                 staging (reads p, m, v, g; writes p and 2 bytes of bf16: 20 bytes/param against 18 for
+                 the weights pass plus 6 for the packer's separate cast; optim/worker.py: read-through).
 
 Vector code: AVX2 + FMA, chosen at run time (__builtin_cpu_supports) through per-function target
 attributes, so the cached build never assumes the CPU it was built on (no -march=native); other
@@ -99,14 +104,24 @@ template <typename G> inline float load_g(const G* g, int64_t i);
 template <> inline float load_g<float>(const float* g, int64_t i) { return g[i]; }
 template <> inline float load_g<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
 
+// fp32 -> bf16, round to nearest even, as c10::BFloat16 (a NaN becomes the quiet NaN 0x7FC0).
+inline uint16_t float_to_bf16(float f) {
+  if (std::isnan(f)) return 0x7FC0;
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 // ---------------------------------------------------------------- scalar (any CPU; also the tails)
 // kTail: the formula of torch's scalar tail (the last numel % 8 elements of a call), whose build
 // contracts the v update differently from its vector loop.
 // What an update pass stores: everything (kFull), the weight only (kWeights), the moments only (kMoments).
 enum Mode { kFull = 0, kWeights = 1, kMoments = 2 };
 
+// `out` (kWeights only; nullptr: none): the new weights' bf16 cast is stored there too.
 template <int kMode = kFull, bool kTail = false, typename G>
-inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k) {
+inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k,
+                          uint16_t* out = nullptr) {
   for (int64_t i = 0; i < n; ++i) {
     float g = load_g(gp, i);
     if (k.scaled) g = g / k.scale;
@@ -123,6 +138,7 @@ inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, 
       if (k.wd) pv = pv * k.decay;
       float d = std::sqrt(vv) / k.bc2s + k.eps;
       p[i] = pv + (k.neg_step * mv) / d;
+      if (kMode == kWeights && out != nullptr) out[i] = float_to_bf16(p[i]);
     }
   }
 }
@@ -151,9 +167,22 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* g) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// 8 fp32 -> 8 bf16 (round to nearest even; a NaN becomes 0x7FC0, as the scalar float_to_bf16).
+__attribute__((target("avx2,fma"))) inline void store_bf16x8(uint16_t* out, __m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  // values fit 16 bits: the unsigned-saturating pack keeps them; it packs within 128-bit lanes, so
+  // gather quadwords 0 and 2 into the low half
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
 template <int kMode, typename G>
 __attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, float* m, float* v,
-                                                    int64_t n, const Consts& k) {
+                                                    int64_t n, const Consts& k, uint16_t* out = nullptr) {
   const __m256 beta2 = _mm256_set1_ps(k.beta2), w1 = _mm256_set1_ps(k.w1), w1m1 = _mm256_set1_ps(k.w1m1);
   const __m256 c2 = _mm256_set1_ps(k.c2), bc2s = _mm256_set1_ps(k.bc2s), eps = _mm256_set1_ps(k.eps);
   const __m256 neg_step = _mm256_set1_ps(k.neg_step), decay = _mm256_set1_ps(k.decay);
@@ -176,9 +205,10 @@ __attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, floa
       __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2s), eps);
       pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(neg_step, mv), d));
       _mm256_storeu_ps(p + i, pv);
+      if (kMode == kWeights && out != nullptr) store_bf16x8(out + i, pv);
     }
   }
-  update_scalar<kMode>(p + i, gp + i, m + i, v + i, n - i, k);
+  update_scalar<kMode>(p + i, gp + i, m + i, v + i, n - i, k, out == nullptr ? nullptr : out + i);
 }
 
 template <typename G>
@@ -227,15 +257,20 @@ void check(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& e
 // kOp: an update Mode, or kCorrect.
 constexpr int kCorrect = 3;
 
+// The vector formula runs over the first `n` elements, torch's scalar-tail formula over the rest.
+// torch's kernel runs vector code over all but the last numel % tail_width elements of a call (its
+// threads' ranges are multiples of 16 elements); those go through its scalar tail.
+int64_t vector_numel(int64_t numel, int64_t tail_width) {
+  return tail_width > 0 ? numel - numel % tail_width : numel;
+}
+
 template <int kOp>
 void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-         const Consts& k, int64_t tail_width) {
+         const Consts& k, int64_t n, uint16_t* out = nullptr) {
   check(master, grad, exp_avg, exp_avg_sq);
   const int64_t numel = master.numel();
   if (numel == 0) return;
-  // torch's kernel runs vector code over all but the last numel % tail_width elements (its threads'
-  // ranges are multiples of 16 elements); those go through its scalar tail.
-  const int64_t n = (kOp != kCorrect && tail_width > 0) ? numel - numel % tail_width : numel;
+  if (kOp == kCorrect) n = numel;
   float* p = master.data_ptr<float>();
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
@@ -246,12 +281,14 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
   at::parallel_for(0, units, kGrainUnits, [&](int64_t u0, int64_t u1) {
     const int64_t lo = u0 * kUnit, hi = std::min(n, u1 * kUnit);
     float *pp = p + lo, *mm = m + lo, *vv = v + lo;
+    uint16_t* oo = out == nullptr ? nullptr : out + lo;
     const int64_t len = hi - lo;
     auto pass = [&](const auto* gg) {
       if constexpr (kOp == kCorrect) {
         if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k);
       } else {
-        if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k); else update_scalar<kOp>(pp, gg, mm, vv, len, k);
+        if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k, oo);
+        else update_scalar<kOp>(pp, gg, mm, vv, len, k, oo);
       }
     };
     if (bf16) pass(static_cast<const uint16_t*>(g) + lo);
@@ -259,8 +296,9 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
   });
   if constexpr (kOp != kCorrect) {
     if (n < numel) {
-      if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k);
-      else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k);
+      uint16_t* ot = out == nullptr ? nullptr : out + n;
+      if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k, ot);
+      else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k, ot);
     }
   }
 }
@@ -273,7 +311,7 @@ void adamw_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Te
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
   pybind11::gil_scoped_release no_gil;  // as torch's own ops: the training thread runs meanwhile
-  run<kFull>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
+  run<kFull>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
 }
 
 void adamw_weights(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -282,7 +320,22 @@ void adamw_weights(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
   pybind11::gil_scoped_release no_gil;
-  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
+  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
+}
+
+void adamw_weights_emit(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                        at::Tensor out, double step, double lr, double beta1, double beta2, double eps,
+                        double weight_decay, double clip, int64_t vector_numel) {
+  // adamw_weights over a piece of a section, also storing the new weights' bf16 cast in `out`. The
+  // caller says how many leading elements take the vector formula: the rest are in the section's tail.
+  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
+              out.numel() == master.numel(), "out must be a contiguous bf16 CPU tensor of the same numel");
+  TORCH_CHECK(vector_numel >= 0 && vector_numel <= master.numel(), "vector_numel out of range");
+  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
+  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  pybind11::gil_scoped_release no_gil;
+  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel, o);
 }
 
 void adamw_moments(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -291,7 +344,7 @@ void adamw_moments(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   Consts k = make_consts(1.0, 0.0, beta1, beta2, 1e-8, 0.0, clip);
   pybind11::gil_scoped_release no_gil;
-  run<kMoments>(master, grad, exp_avg, exp_avg_sq, k, tail_width);
+  run<kMoments>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
 }
 
 void adamw_correct(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -299,7 +352,7 @@ void adamw_correct(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   Consts k = make_consts(step, lr, beta1, beta2, eps, 0.0, clip);
   pybind11::gil_scoped_release no_gil;
-  run<kCorrect>(master, grad, exp_avg, exp_avg_sq, k, 0);
+  run<kCorrect>(master, grad, exp_avg, exp_avg_sq, k, master.numel());
 }
 
 bool uses_avx2() { return has_avx2(); }
@@ -335,7 +388,8 @@ def load():
         try:
             _module = load_inline(
                 name=_NAME, cpp_sources=[_SOURCE],
-                functions=["adamw_update", "adamw_correct", "adamw_weights", "adamw_moments", "uses_avx2"],
+                functions=["adamw_update", "adamw_correct", "adamw_weights", "adamw_weights_emit", "adamw_moments",
+                           "uses_avx2"],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                 extra_ldflags=_gomp_flags(), verbose=False)
         except Exception as e:  # compiler missing, ninja missing, build error
@@ -367,6 +421,20 @@ def update_weights(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float,
     """The weights `update` would write, from the moments it would write (which are not stored)."""
     load().adamw_weights(master, grad, exp_avg, exp_avg_sq, float(step), float(lr), float(beta1),
                          float(beta2), float(eps), float(weight_decay), float(clip), _TAIL)
+
+
+def update_weights_emit(master, grad, exp_avg, exp_avg_sq, out, *, step: float, lr: float, beta1: float,
+                        beta2: float, eps: float, weight_decay: float, clip: float, section_offset: int,
+                        section_numel: int) -> None:
+    """`update_weights` over a piece of one flat section that starts `section_offset` elements into it,
+    also storing the new weights' bf16 cast (round to nearest even, as torch's) in `out`. Pieces of a
+    section, each updated once, give `update_weights` of the whole section bit for bit: the last
+    section_numel % 8 elements of the section take torch's scalar-tail formula wherever the piece falls."""
+    module = load()  # sets _TAIL
+    tail_start = section_numel - section_numel % _TAIL if _TAIL else section_numel
+    vec = min(master.numel(), max(0, tail_start - section_offset))
+    module.adamw_weights_emit(master, grad, exp_avg, exp_avg_sq, out, float(step), float(lr), float(beta1),
+                              float(beta2), float(eps), float(weight_decay), float(clip), vec)
 
 
 def update_moments(master, grad, exp_avg, exp_avg_sq, *, beta1: float, beta2: float, clip: float = 1.0) -> None:

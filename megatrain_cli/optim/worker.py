@@ -37,6 +37,17 @@ is known only when the backward is done. Two ways around the wait, both exact:
              anything reads moments (checkpoints). Bit-identical to the single-pass update; it costs
              one more pass over m, v, g, off the critical path.
 
+  read-through  With `read_through` on (the engine sets it where the streamer supports it), a deferred
+             update whose weights the next forward will read is held for that reader instead of run by
+             this thread: the packer `claim`s it when it streams the tile and applies it chunk by chunk,
+             storing the new fp32 weights and casting them from registers into pinned staging
+             (HostAdamW.update_weights_span). The forward's host traffic per parameter drops from 18
+             (weights pass) + 6 (the packer's cast: read fp32, write bf16) to 20 bytes, and the update
+             runs exactly when its weights are needed instead of competing with the cast of the tile
+             before it. The moments pass follows as above. A held update goes back to this thread as
+             soon as anyone `wait`s for the tile (the embedding, read on the host; a streamer that does
+             not claim) or drains. Bit-identical to the weights pass + cast.
+
 Jobs carry their step's context, so step t's deferred updates can still be running while step
 t+1's forward begins. One worker thread (AdamW is memory-bound; torch's fused kernel already uses
 all intra-op threads), so a tile's correction always follows its speculative update.
@@ -72,6 +83,33 @@ class _Job:
     ctx: StepContext
     spec_ok: bool = False  # an 'update' that may run before the verdict
     seq: int = 0  # landing order
+    held: bool = False  # a deferred update kept for its reader's claim (read-through); not run here
+
+
+class ReadThroughUpdate:
+    """A claimed deferred update: the reader applies it over the tile's range in pieces (`apply`), then
+    `close`s it (with the error, if a piece failed: the tile is then half-updated, and every later
+    wait raises). Closing queues the update's moments pass, as the worker's own weights pass does."""
+
+    def __init__(self, worker: "OptimizerWorker", job: _Job):
+        self._worker, self._job = worker, job
+        self.tile = job.tile
+
+    def apply(self, lo: int, hi: int, out) -> None:
+        """Store the new weights of elements [lo, hi) and their bf16 cast into `out`."""
+        ctx = self._job.ctx
+        self._worker.optimizer.update_weights_span(self._worker.store.tiles[self.tile], ctx.lr, ctx.verdict[0],
+                                                   lo, hi, out)
+
+    def close(self, error: BaseException | None = None) -> None:
+        self._worker._finish_claim(self._job, error)
+
+    def __enter__(self) -> "ReadThroughUpdate":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        self.close(exc)
+        return False  # an error propagates to the reader too
 
 
 class OptimizerWorker:
@@ -95,6 +133,7 @@ class OptimizerWorker:
         self._moments_through = 0  # deferred moments of steps <= this index may run
         self._seq = 0
         self._closed = False
+        self.read_through = False  # set by the engine: hold deferred updates for the streamer's claim
         self.waited_s = 0.0  # host seconds any thread spent blocked in wait(): the optimizer behind the GPU
         # The previous verdict: clipped or skipped. Before any verdict, assume clipped: the first steps
         # of a run are the likeliest to clip, and a one-step bench would otherwise time a correction.
@@ -132,13 +171,53 @@ class OptimizerWorker:
                 self._cv.notify_all()
 
     def wait(self, tile: str) -> None:
-        """Block until `tile` holds its updated weights (a host-side wait, only when AdamW is behind)."""
+        """Block until `tile` holds its updated weights (a host-side wait, only when AdamW is behind).
+        An update held for a read-through claim runs here instead."""
+        self._release_held(tile)
         self._wait_event(self._weights_done[tile])
+
+    def claim(self, tile: str) -> ReadThroughUpdate | None:
+        """The tile's held deferred update, for the caller to apply as it reads the tile; None when there
+        is none (then `wait` as usual). Blocks for the step's verdict if it is not in yet."""
+        with self._cv:
+            job = next((j for j in self._jobs if j.held and j.tile == tile), None)
+            if job is None:
+                return None
+            while job.ctx.verdict is None and self._error is None:
+                self._cv.wait()
+            if self._error is not None or not job.ctx.verdict[1]:  # a skipped step: nothing to apply
+                job.held = False
+                self._cv.notify_all()
+                return None
+            self._jobs.remove(job)
+            return ReadThroughUpdate(self, job)
+
+    def _finish_claim(self, job: _Job, error: BaseException | None) -> None:
+        if error is None:
+            self.optimizer.count_step(self.store.tiles[job.tile])
+        with self._cv:
+            if error is not None and self._error is None:
+                self._error = error
+            follow = None if error is not None else _Job("moments", job.tile, job.ctx)
+            self._job_done(job, follow)
+            self._cv.notify_all()
+
+    def _release_held(self, tile: str | None = None) -> None:
+        """Held updates (of `tile`, or all) go back to the worker thread."""
+        with self._cv:
+            released = False
+            for j in self._jobs:
+                if j.held and (tile is None or j.tile == tile):
+                    j.held, released = False, True
+            if released:
+                self._cv.notify_all()
 
     def wait_state(self, tile: str) -> None:
         """Block until every job on `tile` is done, deferred moments included (its gradient is free);
-        releases every held moments pass first, so the wait cannot depend on a release to come."""
+        releases every held moments pass (and a held read-through update) first, so the wait cannot
+        depend on a release or a claim to come."""
         if not self._done[tile].is_set():
+            self._release_held(tile)
             self.release_moments(self._steps)
         self._wait_event(self._done[tile])
 
@@ -152,6 +231,7 @@ class OptimizerWorker:
             raise RuntimeError("host AdamW failed") from self._error
 
     def drain(self) -> None:
+        self._release_held()
         self.release_moments(self._steps)
         for name in self._done:
             self.wait_state(name)
@@ -178,7 +258,8 @@ class OptimizerWorker:
                 # timing, or clipped steps would differ run to run in the last bits.
                 ctx.speculated.add(tile)
             self._seq += 1
-            self._enqueue(_Job("update", tile, ctx, spec_ok=ok, seq=self._seq))
+            held = self.read_through and not ok and self.optimizer.defer_moments
+            self._enqueue(_Job("update", tile, ctx, spec_ok=ok, seq=self._seq, held=held))
             self._cv.notify_all()
 
     # ------------------------------------------------------------ worker thread
@@ -201,7 +282,7 @@ class OptimizerWorker:
     def _next_job(self) -> _Job | None:
         with self._cv:
             while True:
-                runnable = [j for j in self._jobs if (j.ctx.verdict is not None or j.spec_ok) and
+                runnable = [j for j in self._jobs if (j.ctx.verdict is not None or j.spec_ok) and not j.held and
                             (j.kind != "moments" or j.ctx.index <= self._moments_through)]
                 if runnable:
                     job = min(runnable, key=self._key)
@@ -249,12 +330,15 @@ class OptimizerWorker:
                 self._error = err
             finally:
                 with self._cv:
-                    if follow is not None:  # queued before the update counts as done: _done never flickers
-                        self._enqueue(follow)
-                    self._pending[job.tile] -= 1
-                    if self._pending[job.tile] == 0:
-                        self._done[job.tile].set()
-                    if job.kind != "moments":
-                        self._pending_weights[job.tile] -= 1
-                        if self._pending_weights[job.tile] == 0:
-                            self._weights_done[job.tile].set()
+                    self._job_done(job, follow)
+
+    def _job_done(self, job: _Job, follow: _Job | None) -> None:  # holds self._cv
+        if follow is not None:  # queued before the update counts as done: _done never flickers
+            self._enqueue(follow)
+        self._pending[job.tile] -= 1
+        if self._pending[job.tile] == 0:
+            self._done[job.tile].set()
+        if job.kind != "moments":
+            self._pending_weights[job.tile] -= 1
+            if self._pending_weights[job.tile] == 0:
+                self._weights_done[job.tile].set()
