@@ -10,6 +10,10 @@ after one warm-up call, through HostAdamW as the engine calls it:
   correct  correct(tile, lr, clip=0.3)     torch: elementwise ops over 1M-element chunks; cpp: one pass
   weights  update_weights(tile, lr, 1)     cpp only: the weights of an update (deferred moments)
   moments  update_moments(tile, 1)         cpp only: its moments, the pass that runs later
+  cast     staging.copy_(master)           the packer's fp32 -> bf16 cast into staging (6 B/param)
+  emit     update_weights_span(..., staging)  cpp only: the read-through update, weights + bf16 cast
+                                           into staging in one pass (20 B/param), against weights + cast
+Staging is page-locked where CUDA is present (as the packer's), plain memory otherwise.
 The torch and C++ calls alternate within each repetition. G params/s = numel / time; GB/s = the bytes one pass must move (fp32 master, m, v read and written,
 grad read: 26 B/param with bf16 grads, 28 with fp32) / time, a floor on the traffic, the same for
 both paths (the torch path moves more). The state drifts over the calls; that does not change the
@@ -94,6 +98,17 @@ def main() -> None:
     secs = timed([lambda: split.update_weights(tile, 1e-4, 1.0), lambda: split.update_moments(tile, 1.0)], args.reps)
     for op, s, nbytes in zip(("weights", "moments"), secs, (16 + grad_dtype.itemsize, 16 + grad_dtype.itemsize)):
         rows.append((op, "cpp", s, args.numel / s / 1e9, args.numel * nbytes / s / 1e9, torch_update / s))
+    # The forward's work per tile after a clipped step: the worker's weights pass + the packer's cast,
+    # against the read-through update that does both in one pass (optim/worker.py).
+    staging = torch.empty(args.numel, dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())
+    secs = timed([lambda: staging.copy_(tile.master),
+                  lambda: split.update_weights_span(tile, 1e-4, 1.0, 0, args.numel, staging)], args.reps)
+    weights_s = rows[-2][2]
+    for op, s, nbytes in zip(("cast", "emit"), secs, (6, 18 + grad_dtype.itemsize)):
+        rows.append((op, "cpp" if op == "emit" else "torch", s, args.numel / s / 1e9, args.numel * nbytes / s / 1e9,
+                     torch_update / s))
+    print(f"weights pass + cast {weights_s + secs[0]:.3f} s, emit {secs[1]:.3f} s: "
+          f"{(weights_s + secs[0]) / secs[1]:.2f}x for the read-through update")
     print(f"\n| op      | path  | median s | G params/s | GB/s (floor) | speed-up |")
     print(f"|---------|-------|----------|------------|--------------|----------|")
     for op, kernel, s, gps, gbs, speedup in rows:
