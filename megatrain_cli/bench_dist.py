@@ -182,6 +182,7 @@ def _measure(args: DistBench, ctx, log) -> dict | None:
     timed = run_timed_steps(engine, batches, warmup=args.warmup, steps=args.steps, on_step=show)
     wall, results = timed.wall_s, timed.results
     mine = {"rank": rank, "device": str(dev), "step_time_s": wall / args.steps,
+            "steady_step_time_s": timed.steady_step_s() or 0.0,
             "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if cuda else 0,
             "host_rss_bytes": host_rss_bytes(), "host_peak_rss_bytes": peak_rss_bytes(),
             "host_tile_bytes": store.host_bytes(),
@@ -211,6 +212,7 @@ def report(args: DistBench, world: int, per_rank: list[dict], *, flops: float, e
     """Rank 0's figures for the whole run: BenchResult's fields (summed or worst over the ranks, as each
     says) plus the per-rank ones."""
     step_time = max(r["step_time_s"] for r in per_rank)  # the ranks wait for each other every step
+    steady = max(r["steady_step_time_s"] for r in per_rank)  # bench_loop.TimedSteps.steady_step_s; 0: < 2 steps
     tokens = world * args.grad_accum * args.batch * args.seq
     rss = sum(r["host_rss_bytes"] for r in per_rank)
     stall = max(r["gpu_stall_on_weights_s"] for r in per_rank)
@@ -227,6 +229,9 @@ def report(args: DistBench, world: int, per_rank: list[dict], *, flops: float, e
         split=split, losses=losses,
         notes=f"{world} rank(s), {streamer}, batch {args.batch}x{args.seq} x grad_accum {args.grad_accum} per rank; "
               f"keep_blocks={keep} checkpoint_interval={args.checkpoint_interval} max_grad_norm={args.max_grad_norm}; "
-              f"tokens/s over all ranks, GB/s per GPU, peak device memory of the fullest GPU, RSS summed")
+              f"tokens/s over all ranks, GB/s per GPU, peak device memory of the fullest GPU, RSS summed" +
+              (f"; steady state (timed steps 2..{args.steps}): {steady:.3f} s/step, {tokens / steady:,.0f} tokens/s, "
+               f"{flops / steady / 1e12:.1f} model TFLOPS" if steady else ""),
+        steady_step_time_s=steady)
     return {**asdict(result), "world": world, "streamer": streamer, "tokens_per_s_per_gpu": tokens / step_time / world,
             "host_rss_bytes_per_param": rss / params, "params": params, "grad_norms": norms, "per_rank": per_rank}

@@ -42,6 +42,8 @@ def test_two_rank_bench_reports_its_ranks_and_trains_as_one_process(tmp_path):
     assert two["host_rss_bytes"] == sum(r["host_rss_bytes"] for r in ranks)
     assert two["host_rss_bytes_per_param"] == pytest.approx(two["host_rss_bytes"] / two["params"])
     assert two["step_time_s"] == max(r["step_time_s"] for r in ranks)
+    assert two["steady_step_time_s"] == max(r["steady_step_time_s"] for r in ranks) > 0  # 2 timed steps
+    assert "steady state (timed steps 2..2)" in two["notes"]
     assert two["tokens_per_s"] == pytest.approx(4 * 64 / two["step_time_s"])
     assert two["tokens_per_s_per_gpu"] == pytest.approx(two["tokens_per_s"] / 2)
     # Each rank holds half of the host state: the tiles add up to one process's 16 bytes/param (fp32 on CPU).
