@@ -308,8 +308,8 @@ def test_the_bf16_cast_rounds_ties_to_even_as_torch():
     assert torch.equal(out.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
 
 
-@pytest.mark.parametrize("speculate", [False, True])
-def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate):
+@pytest.mark.parametrize("speculate,tied", [(False, False), (True, False), (False, True)])
+def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate, tied):
     """Read-through (optim/worker.py): with bf16 compute the streamer claims each clipped step's deferred
     weight update and applies it as it casts the tile for the next forward; losses, norms and the whole
     state equal the worker's own weights pass + cast bit for bit, and the claims did happen."""
@@ -320,7 +320,7 @@ def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate):
 
     monkeypatch.setenv(KERNEL_ENV, "cpp")
     monkeypatch.setenv(DEFER_ENV, "1")
-    config = tiny_config("Qwen2ForCausalLM", layers=4)
+    config = tiny_config("Qwen2ForCausalLM", layers=4, tied=tied)
     cfg = TrainConfig(steps=4, lr=1e-3, weight_decay=0.1, max_grad_norm=1e-3, warmup_steps=1, grad_accum=2, eps=1e-6)
     batches = random_batches(config.vocab_size, 4, 2, batch=2, seq=16, seed=5)
     runs = []
@@ -346,6 +346,7 @@ def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate):
     (loss0, norm0, store0, _), (loss1, norm1, store1, claimed) = runs
     assert loss1 == loss0 and norm1 == norm0
     assert {"layers.0", "layers.3", "head"} <= set(claimed)  # the streamer applied them
+    assert "embed" not in claimed  # read on the host first (its rows), so the worker updates it
     for name, tile in store0.tiles.items():
         other = store1.tiles[name]
         assert other.step == tile.step, name
