@@ -91,10 +91,10 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           keep_activations: str = typer.Option("auto", help="Last blocks keeping their activations (no "
                                                "recompute): auto (fill the device budget) or N."),
           max_grad_norm: float = typer.Option(1.0, help="Clipping threshold (<= 0: no clipping)."),
-          no_double_buffer: bool = typer.Option(False, help="Ablation: no prefetch of the next layer."),
-          no_speculation: bool = typer.Option(False, help="Ablation: host AdamW waits for the gradient norm "
+          no_double_buffer: bool = typer.Option(False, "--no-double-buffer", help="Ablation: no prefetch of the next layer."),
+          no_speculation: bool = typer.Option(False, "--no-speculation", help="Ablation: host AdamW waits for the gradient norm "
                                               "instead of starting as each layer's gradients land."),
-          no_overlap_optimizer: bool = typer.Option(False, help="Ablation: optimizer after the step, not "
+          no_overlap_optimizer: bool = typer.Option(False, "--no-overlap-optimizer", help="Ablation: optimizer after the step, not "
                                                     "pipelined into the next forward."),
           device: str = typer.Option("cuda", help="cuda or cpu."),
           long_context: str = typer.Option("auto", help="Long-context path (tiled MLP, checkpoint offload): on, "
@@ -103,14 +103,14 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
           kernels: str = typer.Option("auto", help="auto (Triton on CUDA), triton or torch (ablation)."),
           host_adamw: str = typer.Option("auto", help="Host AdamW code: auto (the C++ kernel where it compiles), "
                                          "cpp or torch (ablation)."),
-          no_defer_moments: bool = typer.Option(False, help="Ablation: clipped steps' updates store weights and "
+          no_defer_moments: bool = typer.Option(False, "--no-defer-moments", help="Ablation: clipped steps' updates store weights and "
                                                 "moments in one pass (no deferred moments pass)."),
-          no_update_on_read: bool = typer.Option(False, help="Ablation: after a clipped step, host AdamW's worker "
+          no_update_on_read: bool = typer.Option(False, "--no-update-on-read", help="Ablation: after a clipped step, host AdamW's worker "
                                                  "stores the new weights and the packer casts them (no update "
                                                  "applied by the packer as it streams)."),
           device_cast: bool = typer.Option(False, help="Experimental: DMA the page-locked fp32 masters and cast "
                                            "on the GPU (short-context path, one GPU)."),
-          no_memory_fallback: bool = typer.Option(False, help="Refuse a step whose plan does not fit the device "
+          no_memory_fallback: bool = typer.Option(False, "--no-memory-fallback", help="Refuse a step whose plan does not fit the device "
                                                   "budget instead of taking the memory-lean path (interval 1, "
                                                   "checkpoints in pinned host memory as needed)."),
           dashboard: str = typer.Option("auto", help="Live view: auto, rich, plain or off."),
