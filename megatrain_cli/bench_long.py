@@ -185,7 +185,7 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
     on CPU what the host has free). `host_budget`: host bytes the offloaded checkpoints may take
     (default: MemAvailable after the host store, minus the engine's pinned buffers and 4 GiB).
     lean_norms None: HF RMSNorm when that plan fits, else the lean one. engine_kwargs go to Engine
-    (layer_slots, grad_slabs, double_buffer, overlap_optimizer, speculate). `store`: a host store of
+    (layer_slots, grad_slabs, double_buffer, overlap_optimizer, speculate, update_on_read). `store`: a host store of
     this preset (and `layers`) built earlier (several runs share one initialisation).
 
     `layers`: run that many layers instead of the preset's (bench.bench_config). The whole model's plan is

@@ -190,6 +190,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                                  sdpa=sdpa, batch=batch, layers=layers, layer_slots=layer_slots,
                                  double_buffer=not no_double_buffer, overlap_optimizer=not no_overlap_optimizer,
                                  speculate=not no_speculation, kernels=kernels,
+                                 update_on_read=not no_update_on_read,
                                  max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
                                  log=lambda m: typer.echo(m, err=True))
         extrapolated = f"\n{format_extrapolation(res.extrapolated)}" if res.extrapolated else ""

@@ -7,7 +7,8 @@ two teams contend (32 threads on 16 cores on the H200 machine) for a resource, h
 that more threads do not add to. These knobs split the cores instead; measured, not assumed
 (docs/perf-notes.md): unset, nothing changes.
 
-    MEGATRAIN_PACKER_THREADS   threads of the packer's fp32 -> bf16 casts (engine/cuda_pipeline.py)
+    MEGATRAIN_PACKER_THREADS   threads of the packer's fp32 -> bf16 casts (engine/cuda_pipeline.py), and of
+                               the clipped-step weights updates it applies on read (optim/worker.py)
     MEGATRAIN_ADAMW_THREADS    threads of host AdamW in the optimizer worker (optim/worker.py)
 """
 

@@ -293,11 +293,12 @@ def test_weights_in_pieces_with_their_bf16_cast_equal_the_weights_pass(grad_dtyp
 
 
 def test_the_bf16_cast_rounds_ties_to_even_as_torch():
-    """Weights that land exactly between two bf16 values, and the largest finite floats: the emitted cast
-    is torch's, bit for bit (one element per vector lane and in the scalar tail)."""
+    """Weights that land exactly between two bf16 values, the largest finite floats, infinities and quiet
+    NaNs: the emitted cast is torch's, bit for bit (in vector lanes and in the scalar tail)."""
     opt = HostAdamW(TrainConfig(lr=0.0, weight_decay=0.0, eps=1e-6), kernel="cpp", defer_moments=True)
     bits = torch.tensor([0x3F808000, 0x3F818000, 0x3F80FFFF, 0x7F7FFFFF, 0xFF7FFFFF, 0x00008000, 0x80018000,
-                         0x3F800001, 0x7F800000, 0x00000001, 0x4049_0FDB, 0xBF7F_8000, 0x3F80_7FFF], dtype=torch.int64)
+                         0x3F800001, 0x7F800000, 0x00000001, 0x4049_0FDB, 0xBF7F_8000, 0x3F80_7FFF, 0x7FC00000,
+                         0xFFC00001, 0xFF800000, 0x7FC12345], dtype=torch.int64)
     values = bits.to(torch.int32).view(torch.float32)
     numel = values.numel()
     tile = make_tile(numel, 0, torch.float32)
@@ -352,3 +353,37 @@ def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate, tied)
         assert other.step == tile.step, name
         for section in ("master", "exp_avg", "exp_avg_sq"):
             assert torch.equal(getattr(other, section), getattr(tile, section)), (name, section)
+
+
+def test_a_claim_waiting_for_the_verdict_gives_way_to_a_wait_that_released_the_update():
+    """worker.claim blocks for the step's verdict; if a wait() hands the held update to the worker thread
+    meanwhile, the claim returns None (the caller then waits as usual) instead of taking it twice."""
+    import threading
+
+    from megatrain_cli.optim.worker import OptimizerWorker
+    from tests.test_speculation import make_store
+
+    store = make_store()
+    opt = HostAdamW(CFG, kernel="cpp", defer_moments=True)
+    worker = OptimizerWorker(opt, store, forward_order=["embed", *store.layer_names, "head"], max_grad_norm=1e-9)
+    worker.read_through = frozenset(["layers.1"])
+    tile = store.tiles["layers.1"]
+    tile.grad.normal_(0, 1e-2)
+    before = tile.master.clone()
+    worker.begin_step(LR)
+    worker.landed("layers.1", 1.0)  # clipped for sure (norm 1 > 1e-9): held for the reader
+    got = []
+    claimer = threading.Thread(target=lambda: got.append(worker.claim("layers.1")))
+    claimer.start()
+    claimer.join(0.2)
+    assert claimer.is_alive()  # no verdict yet
+    waiter = threading.Thread(target=worker.wait, args=("layers.1",))
+    waiter.start()  # releases the held update to the worker thread (which still needs the verdict)
+    worker.resolve(1e-9 / (1.0 + 1e-6), finite=True)
+    claimer.join(5)
+    waiter.join(5)
+    assert not claimer.is_alive() and not waiter.is_alive()
+    assert got == [None]
+    worker.drain()
+    assert tile.step == 1 and not torch.equal(tile.master, before)  # updated once, by the worker
+    worker.close()

@@ -99,9 +99,11 @@ class CudaStreamer(WeightStreamer):
     # ------------------------------------------------------------ transfers (packer thread)
     def _transfer(self, tile: str, slot: _DeviceSlot) -> None:
         update = self._claim_or_wait(tile)
-        master = self.store.tiles[tile].master
-        n = master.numel()
-        with torch.cuda.stream(self.h2d), (update if update is not None else nullcontext()):
+        # The claimed update is entered first: whatever fails after the claim closes it with the error
+        # (a claim left open would hang every later wait for the tile instead of raising).
+        with (update if update is not None else nullcontext()), torch.cuda.stream(self.h2d):
+            master = self.store.tiles[tile].master
+            n = master.numel()
             self.h2d.wait_event(slot.free)  # GPU-side: compute is done with the slot's old contents
             for k, lo in enumerate(range(0, n, self.chunk_numel)):
                 hi = min(n, lo + self.chunk_numel)

@@ -139,7 +139,7 @@ class Engine:
             self.update_on_read = (update_on_read and self.optimizer.defer_moments and self.dtype == torch.bfloat16
                                    and dist is None and not device_cast)
             if self.update_on_read:
-                self.worker.read_through = True
+                self.worker.read_through = frozenset([*store.layer_names, "head"])
                 self.streamer.claim = self.worker.claim
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass

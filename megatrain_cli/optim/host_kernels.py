@@ -104,9 +104,11 @@ template <typename G> inline float load_g(const G* g, int64_t i);
 template <> inline float load_g<float>(const float* g, int64_t i) { return g[i]; }
 template <> inline float load_g<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
 
-// fp32 -> bf16, round to nearest even, as c10::BFloat16 (a NaN becomes the quiet NaN 0x7FC0).
+// fp32 -> bf16, round to nearest even, as torch's CPU cast (copy_) stores it: its vectorised
+// conversion, which also covers the tails, writes a NaN as 0xFFFF (c10::BFloat16's scalar one would
+// write 0x7FC0).
 inline uint16_t float_to_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;
+  if (std::isnan(f)) return 0xFFFF;
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
@@ -167,13 +169,13 @@ __attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* g) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-// 8 fp32 -> 8 bf16 (round to nearest even; a NaN becomes 0x7FC0, as the scalar float_to_bf16).
+// 8 fp32 -> 8 bf16 (round to nearest even; a NaN becomes 0xFFFF, as float_to_bf16).
 __attribute__((target("avx2,fma"))) inline void store_bf16x8(uint16_t* out, __m256 x) {
   const __m256i u = _mm256_castps_si256(x);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
   const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
   // values fit 16 bits: the unsigned-saturating pack keeps them; it packs within 128-bit lanes, so
   // gather quadwords 0 and 2 into the low half
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);

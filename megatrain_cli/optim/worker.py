@@ -133,7 +133,9 @@ class OptimizerWorker:
         self._moments_through = 0  # deferred moments of steps <= this index may run
         self._seq = 0
         self._closed = False
-        self.read_through = False  # set by the engine: hold deferred updates for the streamer's claim
+        # Set by the engine: the tiles whose deferred updates are held for the streamer's claim (the ones
+        # it streams first in the next forward; not the embedding, whose rows are read on the host).
+        self.read_through: frozenset[str] = frozenset()
         self.waited_s = 0.0  # host seconds any thread spent blocked in wait(): the optimizer behind the GPU
         # The previous verdict: clipped or skipped. Before any verdict, assume clipped: the first steps
         # of a run are the likeliest to clip, and a one-step bench would otherwise time a correction.
@@ -180,10 +182,12 @@ class OptimizerWorker:
         """The tile's held deferred update, for the caller to apply as it reads the tile; None when there
         is none (then `wait` as usual). Blocks for the step's verdict if it is not in yet."""
         with self._cv:
-            job = next((j for j in self._jobs if j.held and j.tile == tile), None)
-            if job is None:
-                return None
-            while job.ctx.verdict is None and self._error is None:
+            while True:  # looked up again after every wait: a wait() or drain() may have released it
+                job = next((j for j in self._jobs if j.held and j.tile == tile), None)
+                if job is None:
+                    return None
+                if job.ctx.verdict is not None or self._error is not None:
+                    break
                 self._cv.wait()
             if self._error is not None or not job.ctx.verdict[1]:  # a skipped step: nothing to apply
                 job.held = False
@@ -258,7 +262,7 @@ class OptimizerWorker:
                 # timing, or clipped steps would differ run to run in the last bits.
                 ctx.speculated.add(tile)
             self._seq += 1
-            held = self.read_through and not ok and self.optimizer.defer_moments
+            held = tile in self.read_through and not ok and self.optimizer.defer_moments
             self._enqueue(_Job("update", tile, ctx, spec_ok=ok, seq=self._seq, held=held))
             self._cv.notify_all()
 
