@@ -44,9 +44,10 @@ is known only when the backward is done. Two ways around the wait, both exact:
              (HostAdamW.update_weights_span). The forward's host traffic per parameter drops from 18
              (weights pass) + 6 (the packer's cast: read fp32, write bf16) to 20 bytes, and the update
              runs exactly when its weights are needed instead of competing with the cast of the tile
-             before it. The moments pass follows as above. A held update goes back to this thread as
-             soon as anyone `wait`s for the tile (the embedding, read on the host; a streamer that does
-             not claim) or drains. Bit-identical to the weights pass + cast.
+             before it. The moments pass follows as above. Only the tiles the engine names are held (the
+             streamed ones: not the embedding, whose rows are read on the host, so its update starts at
+             the verdict); a held update goes back to this thread as soon as anyone `wait`s for the tile
+             or drains. Bit-identical to the weights pass + cast.
 
 Jobs carry their step's context, so step t's deferred updates can still be running while step
 t+1's forward begins. One worker thread (AdamW is memory-bound; torch's fused kernel already uses
