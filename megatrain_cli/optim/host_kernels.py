@@ -1,6 +1,6 @@
 """A C++ (OpenMP) host AdamW kernel, compiled at first use (torch.utils.cpp_extension.load_inline).
 
-Two entry points over contiguous flat sections of a tile, each ONE pass over the state:
+Entry points over contiguous flat sections of a tile, each ONE pass over the state:
 
   adamw_update   torch's fused CPU AdamW (ADAMW mode, as torch._fused_adamw_) reading the gradient
                  in its own dtype: a bf16 gradient is widened in registers instead of through an
