@@ -109,7 +109,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
                                                  "stores the new weights and the packer casts them (no update "
                                                  "applied by the packer as it streams)."),
           device_cast: bool = typer.Option(False, help="Experimental: DMA the page-locked fp32 masters and cast "
-                                           "on the GPU (short-context path, one GPU)."),
+                                           "on the GPU (short-context path, one GPU; measured slower on the H200)."),
           no_memory_fallback: bool = typer.Option(False, "--no-memory-fallback", help="Refuse a step whose plan does not fit the device "
                                                   "budget instead of taking the memory-lean path (interval 1, "
                                                   "checkpoints in pinned host memory as needed)."),

@@ -8,7 +8,8 @@ gradient slabs drained by a host thread. Same interface as transfers.WeightStrea
                      slab, records Slab-Full; a host thread waits on it and lands the slab in the tile
 
 Costs, per layer: one host cast fp32 -> bf16 into pinned memory (the packer thread, overlapping
-compute: torch releases the GIL in copy_), one H2D burst, and on the way back one D2H burst plus one
+compute: torch releases the GIL in copy_; after a clipped step, the tile's weights update in the same
+pass instead, when the engine hands it over: optim/worker.py read-through), one H2D burst, and on the way back one D2H burst plus one
 host copy into the tile. The only host-side waits on the hot path are the packer's, on its own
 staging buffers, in its own thread; the compute thread waits only when a transfer is late.
 """

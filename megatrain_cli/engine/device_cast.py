@@ -20,7 +20,9 @@ and a cast kernel writes the bf16 slot:
 Same bits as the host path: fp32 -> bf16 rounds to nearest even on both (tests/test_cuda.py).
 The masters change only in host AdamW, after the tile's last transfer of the step has landed (its
 gradient exists only once the backward consumed the weights), so the DMA never reads a half-updated
-master. Opt-in (engine.device_cast / bench --device-cast) until measured.
+master. Opt-in (engine.device_cast / bench --device-cast): measured slower on the H200 (7B 8x4096,
+clipped: 6.65 s/step against 5.14 s for host casts, docs/benchmarks.md session 4), because host AdamW
+still needs the host's bandwidth and the forward waited longer for it.
 """
 
 from __future__ import annotations
