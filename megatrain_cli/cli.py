@@ -64,10 +64,10 @@ def train(ctx: typer.Context,
     except RecipeError as err:
         _fail(str(err))
     if gpus is not None or "WORLD_SIZE" in os.environ:
-        from megatrain_cli.dist_train import train as train_dist
+        from megatrain_cli.train.ranks import train as train_dist
 
         raise typer.Exit(train_dist(r, gpus, dry_run=dry_run, force=force))
-    from megatrain_cli.trainer import run_training
+    from megatrain_cli.train.loop import run_training
 
     code = run_training(r, dry_run=dry_run, force=force)
     raise typer.Exit(code)
@@ -126,7 +126,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
     """Full training steps of a random-init preset on synthetic tokens, against a baseline."""
     import torch
 
-    from megatrain_cli import bench as b
+    from megatrain_cli.bench import short as b
     from megatrain_cli.presets import PRESETS
     from megatrain_cli.recipe import parse_bytes
 
@@ -138,12 +138,6 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         _fail(f"--kernels: auto, torch or triton, got {kernels!r}")
     if host_adamw not in ("auto", "torch", "cpp"):
         _fail(f"--host-adamw: auto, cpp or torch, got {host_adamw!r}")
-    # Through the environment, which every engine this command makes reads (short and long context, the
-    # data-parallel ranks it spawns): optim/cpu_adamw.py's KERNEL_ENV and DEFER_ENV.
-    from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV
-
-    os.environ[KERNEL_ENV] = host_adamw
-    os.environ[DEFER_ENV] = "0" if no_defer_moments else "1"
     baselines = [x.strip() for x in baseline.split(",")] if baseline else []
     if any(x not in ("native", "deepspeed") for x in baselines):
         _fail(f"unknown baseline '{baseline}' (native, deepspeed, or native,deepspeed)")
@@ -165,7 +159,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
         _fail(f"--dashboard: one of {', '.join(MODES)}, got {dashboard!r}")
     seq_len = b.parse_tokens(seq)
     if gpus is not None or "WORLD_SIZE" in os.environ:
-        from megatrain_cli.bench_dist import DistBench
+        from megatrain_cli.bench.ranks import DistBench
 
         _bench_ranks(gpus, DistBench(model=model, batch=batch, seq=seq_len, steps=steps, grad_accum=grad_accum,
                                      layers=layers, checkpoint_interval=checkpoint_interval,
@@ -184,7 +178,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
     if long_context == "on" or (long_context == "auto" and batch == 1 and grad_accum == 1 and seq_len >= 32768):
         if device_cast:
             _fail("--device-cast: the short-context path only (add --long-context off)")
-        from megatrain_cli.bench_long import bench_long_context, format_extrapolation
+        from megatrain_cli.bench.long_context import bench_long_context, format_extrapolation
 
         res = bench_long_context(model, seq_len, steps=steps, warmup=0, device_budget=budget, device=device,
                                  sdpa=sdpa, batch=batch, layers=layers, layer_slots=layer_slots,
@@ -202,7 +196,7 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
     if "deepspeed" in baselines:
         # First, in a watched child process: DeepSpeed gets the host memory to itself (ours is not
         # allocated yet) and returns all of it when it exits (or is killed for memory).
-        from megatrain_cli.baselines.deepspeed_bench import bench_deepspeed
+        from megatrain_cli.bench.deepspeed import bench_deepspeed
 
         ds_result = bench_deepspeed(model, batch * grad_accum, seq_len, steps, log=lambda m: typer.echo(m, err=True),
                                     timeout_s=540)
@@ -232,8 +226,8 @@ def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b
 
 def _bench_ranks(gpus: Optional[int], args, *, ignored: list, as_json: bool, output: Optional[Path]) -> None:
     """`bench --gpus N` (or under torchrun): megatrain_cli/bench_dist.py; rank 0 prints and writes."""
-    from megatrain_cli import bench as b
-    from megatrain_cli.bench_dist import bench_dist
+    from megatrain_cli.bench import short as b
+    from megatrain_cli.bench.ranks import bench_dist
 
     if ignored:
         _fail(f"--gpus: not with {', '.join(ignored)} (one short-context engine per rank)")
@@ -297,7 +291,7 @@ def export(checkpoint: Path = typer.Argument(..., help="A step_N checkpoint dire
     """Export a training checkpoint as a Hugging Face model directory."""
     import torch
 
-    from megatrain_cli.export import export_checkpoint
+    from megatrain_cli.checkpoint import export_checkpoint
 
     if not checkpoint.is_dir():
         _fail(f"checkpoint not found: {checkpoint}")

@@ -18,7 +18,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from megatrain_cli.metrics import StepMetrics, host_memory_bytes
+from megatrain_cli.machine import host_memory_bytes
+from megatrain_cli.metrics.record import StepMetrics
 
 NA = "n/a"
 MODES = ("auto", "rich", "plain", "off")

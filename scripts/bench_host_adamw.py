@@ -29,8 +29,8 @@ from types import SimpleNamespace
 
 import torch
 
-from megatrain_cli.optim import host_kernels
-from megatrain_cli.optim.cpu_adamw import HostAdamW
+from megatrain_cli.optim import adamw_cpp as host_kernels
+from megatrain_cli.optim.host_adamw import HostAdamW
 from megatrain_cli.recipe import TrainConfig
 
 NO_DECAY = 2 * 3584 + 3584 + 2 * 512  # a Qwen2.5-7B layer's norms and q/k/v biases

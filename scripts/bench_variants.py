@@ -25,9 +25,9 @@ from dataclasses import asdict
 
 import torch
 
-from megatrain_cli import bench as b
-from megatrain_cli.host_threads import ADAMW_THREADS_ENV, PACKER_THREADS_ENV
-from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV
+from megatrain_cli.bench import short as b
+from megatrain_cli.machine import ADAMW_THREADS_ENV, PACKER_THREADS_ENV
+from megatrain_cli.optim.host_adamw import DEFER_ENV, KERNEL_ENV
 
 # variant keys that are environment settings of the engine, for that variant only
 VARIANT_ENV = {"host_kernel": KERNEL_ENV, "defer_moments": DEFER_ENV, "packer_threads": PACKER_THREADS_ENV,
@@ -105,7 +105,7 @@ def main() -> int:
     if args.native:
         baselines.append(("native", lambda: b.bench_native(args.model, args.batch, seq, args.steps, log=log)))
     if args.deepspeed:
-        from megatrain_cli.baselines.deepspeed_bench import bench_deepspeed
+        from megatrain_cli.bench.deepspeed import bench_deepspeed
 
         baselines.append(("deepspeed", lambda: bench_deepspeed(args.model, args.batch, seq, args.steps, log=log)))
     for name, run in baselines:

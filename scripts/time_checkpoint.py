@@ -19,7 +19,7 @@ import time
 import torch
 
 from megatrain_cli.checkpoint import load_checkpoint, save_checkpoint
-from megatrain_cli.metrics import host_rss_bytes
+from megatrain_cli.machine import host_rss_bytes
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 

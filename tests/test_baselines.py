@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 
-from megatrain_cli.baselines import deepspeed_bench as dsb
-from megatrain_cli.baselines import deepspeed_run as dsr
+from megatrain_cli.bench import deepspeed as dsb
+from megatrain_cli.bench import deepspeed_child as dsr
 
 PY = sys.executable
 
@@ -94,7 +94,7 @@ def test_bench_deepspeed_failure_carries_stderr():
 
 
 def test_synthetic_tokens_are_bench_s():
-    from megatrain_cli.bench import synthetic_batch
+    from megatrain_cli.bench.short import synthetic_batch
 
     for s in range(3):
         mb = synthetic_batch(1024, 2, 16, seed=s * 97)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_cli.bench import BenchResult, bench_config, bench_engine, format_table, model_label, synthetic_batch
+from megatrain_cli.bench.short import BenchResult, bench_config, bench_engine, format_table, model_label, synthetic_batch
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.recipe import TrainConfig
@@ -96,7 +96,7 @@ def test_bench_cli_layers_in_json_and_refused_where_it_cannot_apply():
 
 
 def test_steady_state_is_the_mean_of_the_timed_steps_after_the_first():
-    from megatrain_cli.bench_loop import TimedSteps
+    from megatrain_cli.bench.loop import TimedSteps
 
     assert TimedSteps(step_times=[1.0]).steady_step_s() is None
     assert TimedSteps(step_times=[3.5, 4.5, 4.6]).steady_step_s() == pytest.approx(4.55)

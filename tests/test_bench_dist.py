@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_cli.bench_dist import DistBench, bench_dist
+from megatrain_cli.bench.ranks import DistBench, bench_dist
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--model", "tiny", "--device", "cpu", "--seq", "64", "--batch", "2", "--steps", "2", "--kernels", "torch"]

@@ -6,7 +6,7 @@ import pytest
 from rich.console import Console
 
 from megatrain_cli.dashboard import PLAIN_COLUMNS, Dashboard, fmt_bytes, fmt_duration, sparkline
-from megatrain_cli.metrics import StepMetrics
+from megatrain_cli.metrics.record import StepMetrics
 
 
 def cpu_step(step: int = 3, **overrides) -> StepMetrics:

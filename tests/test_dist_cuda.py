@@ -18,7 +18,7 @@ import torch
 
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
-from megatrain_cli.optim.cpu_adamw import lr_at
+from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from tests.reference import random_batches, tiny_config
 
@@ -62,9 +62,9 @@ def _math_attention():
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatrain_cli.engine.dist_pipeline import DistCudaStreamer
-    from megatrain_cli.engine.distributed import (DistStreamer, init_distributed, leave_process_group,
-                                                  split_micro_batches)
+    from megatrain_cli.engine.transfer.sharded_cuda import DistCudaStreamer
+    from megatrain_cli.engine.dist import init_distributed, leave_process_group, split_micro_batches
+    from megatrain_cli.engine.transfer.sharded import DistStreamer
     from megatrain_cli.store.sharded import build_sharded_store
 
     ctx = init_distributed("cuda", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -93,7 +93,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def ranks(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from megatrain_cli.engine.distributed import multicast_off
+    from megatrain_cli.engine.dist import multicast_off
 
     multicast_off()  # the ranks inherit it (and init_distributed sets it again)
     tmp = tmp_path_factory.mktemp("dist-cuda")

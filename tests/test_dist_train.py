@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from megatrain_cli import dist_train
 from megatrain_cli.recipe import load_recipe
-from megatrain_cli.trainer import run_training
+from megatrain_cli.train.loop import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny.yaml"
@@ -104,7 +104,7 @@ def test_a_one_process_checkpoint_resumes_on_two_ranks(runs, tmp_path):
 
 
 def test_export_of_a_two_rank_checkpoint_equals_its_final(runs, tmp_path):
-    from megatrain_cli.export import export_checkpoint
+    from megatrain_cli.checkpoint import export_checkpoint
 
     _, two = runs
     export_checkpoint(two / "step_4", tmp_path / "hf", dtype=torch.float32)  # the run's dtype, as final/

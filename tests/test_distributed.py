@@ -23,7 +23,7 @@ import torch
 
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
-from megatrain_cli.optim.cpu_adamw import HostAdamW, lr_at
+from megatrain_cli.optim.host_adamw import HostAdamW, lr_at
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.sharded import ShardedHostStore, build_sharded_store
 from tests.reference import random_batches, tiny_config
@@ -114,7 +114,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from megatrain_cli.engine import dist_pipeline
-    from megatrain_cli.engine.distributed import init_distributed, leave_process_group, split_micro_batches
+    from megatrain_cli.engine.dist import init_distributed, leave_process_group, split_micro_batches
 
     torch.set_num_threads(1)
     ctx = init_distributed("cpu", init_method=f"file://{init_file}", rank=rank, world_size=world)

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatrain_cli.checkpoint import save_checkpoint
-from megatrain_cli.export import export_checkpoint, export_hf
+from megatrain_cli.checkpoint import export_checkpoint, export_hf
 from tests.helpers_checkpoint import filled_store, tiny_tokenizer
 from tests.reference import reference_model
 

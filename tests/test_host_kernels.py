@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatrain_cli.optim import host_kernels
-from megatrain_cli.optim.cpu_adamw import DEFER_ENV, KERNEL_ENV, HostAdamW
+from megatrain_cli.optim import adamw_cpp as host_kernels
+from megatrain_cli.optim.host_adamw import DEFER_ENV, KERNEL_ENV, HostAdamW
 from megatrain_cli.recipe import TrainConfig
 
 CFG = TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -316,7 +316,7 @@ def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate, tied)
     state equal the worker's own weights pass + cast bit for bit, and the claims did happen."""
     from megatrain_cli.engine.step import Engine
     from megatrain_cli.models.loader import build_store
-    from megatrain_cli.optim.cpu_adamw import lr_at
+    from megatrain_cli.optim.host_adamw import lr_at
     from tests.reference import random_batches, tiny_config
 
     monkeypatch.setenv(KERNEL_ENV, "cpp")

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from megatrain_cli.host_threads import ADAMW_THREADS_ENV, PACKER_THREADS_ENV, limit_this_thread
-from megatrain_cli.optim.cpu_adamw import HostAdamW
+from megatrain_cli.machine import ADAMW_THREADS_ENV, PACKER_THREADS_ENV, limit_this_thread
+from megatrain_cli.optim.host_adamw import HostAdamW
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
 from tests.test_speculation import make_store

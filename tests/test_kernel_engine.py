@@ -31,10 +31,10 @@ import torch
 
 from megatrain_cli import kernels
 from megatrain_cli.engine import kernel_patch, tiling
-from megatrain_cli.engine.long_context import GiB, plan_long_context
+from megatrain_cli.engine.plan.lean import GiB, plan_long_context
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
-from megatrain_cli.optim.cpu_adamw import lr_at
+from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from tests.reference import random_batches, tiny_config
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from megatrain_cli.engine import tiling
-from megatrain_cli.engine.long_context import GiB, choose_plan, plan_long_context
+from megatrain_cli.engine.plan.lean import GiB, choose_plan, plan_long_context
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
-from megatrain_cli.optim.cpu_adamw import lr_at
+from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from tests.reference import random_batches, tiny_config
 
@@ -111,7 +111,7 @@ def layer_lines(lines: list[str]) -> list[str]:
 
 
 def test_bench_long_context_runs_a_step_of_tiny_on_cpu():
-    from megatrain_cli.bench_long import bench_long_context
+    from megatrain_cli.bench.long_context import bench_long_context
     from tests.test_bench import plain_engine_losses
 
     lines = []
@@ -138,9 +138,9 @@ def test_bench_long_context_runs_a_step_of_tiny_on_cpu():
 
 
 def test_bench_long_context_layers_extrapolates_to_the_whole_model():
-    from megatrain_cli.bench_long import bench_long_context, format_extrapolation, full_model_plan
+    from megatrain_cli.bench.long_context import bench_long_context, format_extrapolation, full_model_plan
     from megatrain_cli.models.loader import build_store
-    from megatrain_cli.bench import bench_config
+    from megatrain_cli.bench.short import bench_config
     from tests.test_bench import plain_engine_losses
 
     store = build_store(bench_config("tiny", 256, 2), torch.float32, seed=0)
@@ -181,7 +181,7 @@ def test_bench_long_context_layers_extrapolates_to_the_whole_model():
 
 
 def test_extrapolate_scales_the_layer_passes_and_keeps_the_rest():
-    from megatrain_cli.bench_long import extrapolate
+    from megatrain_cli.bench.long_context import extrapolate
 
     x = extrapolate(step_time=10.0, measured_layers=2, full_layers=28, forward_per_layer=1.0, backward_per_layer=3.0,
                     samples=2, tokens=1000, full_flops=2.28e15, full_executed_flops=3.42e15)
@@ -193,7 +193,7 @@ def test_extrapolate_scales_the_layer_passes_and_keeps_the_rest():
 def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):
     """A run stopped in the middle of a step (here an out-of-memory error in layer 1's backward; a time limit
     alike) has already logged every layer pass that finished."""
-    from megatrain_cli.bench_long import bench_long_context
+    from megatrain_cli.bench.long_context import bench_long_context
 
     real = Engine._backward_layer
 
@@ -213,8 +213,8 @@ def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):
 def test_7b_plans_fit_one_h200_and_a_256_gib_host():
     """`megatrain bench --model 7b --seq 32k..512k` on one H200 (139.8 GiB) of a host with 256 GiB: the plans
     bench_long would choose, with the host budget it would read after the 7B store (14 bytes/param)."""
-    from megatrain_cli.bench import bench_config
-    from megatrain_cli.engine.long_context import host_budget_bytes
+    from megatrain_cli.bench.short import bench_config
+    from megatrain_cli.engine.plan.lean import host_budget_bytes
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.store.tiles import HostStore
 
@@ -232,7 +232,7 @@ def test_7b_plans_fit_one_h200_and_a_256_gib_host():
 
 
 def test_bench_long_context_refuses_a_plan_that_does_not_fit():
-    from megatrain_cli.bench_long import bench_long_context
+    from megatrain_cli.bench.long_context import bench_long_context
 
     lines = []
     res = bench_long_context("tiny", 256, device="cpu", device_budget=2**20, log=lines.append)
@@ -257,7 +257,7 @@ def test_packed_long_rows_are_refused_before_the_mask_is_built(monkeypatch):
 
 
 def test_plan_for_training():
-    from megatrain_cli.engine.long_context import plan_for_training
+    from megatrain_cli.engine.plan.lean import plan_for_training
     from megatrain_cli.models.adapter import ModelAdapter
 
     adapter = ModelAdapter(tiny_config(layers=2))

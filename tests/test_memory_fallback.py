@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_cli.engine.long_context import (GiB, layer_saved_bytes, ModelShape, plan_long_context,
+from megatrain_cli.engine.plan.lean import (GiB, layer_saved_bytes, ModelShape, plan_long_context,
                                                plan_memory_lean)
-from megatrain_cli.engine.plan import activation_bytes_per_layer, device_problem, make_plan
+from megatrain_cli.engine.plan.memory import activation_bytes_per_layer, device_problem, make_plan
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.store.tiles import HostStore
@@ -129,7 +129,7 @@ def offloading_bench_budget() -> tuple[int, object]:
 def bench_tiny(monkeypatch, **kwargs):
     """bench_engine on the tiny preset (2 x 32 tokens, 2 micro-batches, 1 warm-up + 2 steps) over a store we
     keep: (store, result, log lines, the engine that ran)."""
-    from megatrain_cli.bench import bench_engine
+    from megatrain_cli.bench.short import bench_engine
     from megatrain_cli.engine import step as engine_step
     from megatrain_cli.models.loader import build_store
 
@@ -168,7 +168,7 @@ def test_bench_falls_back_to_the_memory_lean_path_and_trains_like_the_ordinary_o
 
 
 def test_bench_refuses_when_the_lean_plan_does_not_fit_either_or_without_the_fallback(monkeypatch):
-    from megatrain_cli.bench import DoesNotFit
+    from megatrain_cli.bench.short import DoesNotFit
 
     budget, _ = offloading_bench_budget()
     with pytest.raises(DoesNotFit, match="device memory: the plan needs") as err:
@@ -203,7 +203,7 @@ def lean_train_budget() -> int:
     """engine.max_gpu_mem under the tiny recipe's short-context plan (8 x 256 tokens, 2 micro-batches)
     whose memory-lean plan fits by offloading 2 checkpoints (see offloading_bench_budget)."""
     from megatrain_cli.models.tokenizer import load_tokenizer
-    from megatrain_cli.trainer import model_config
+    from megatrain_cli.train.loop import model_config
 
     r = tiny_recipe()
     adapter = ModelAdapter(model_config(r, load_tokenizer(r.model)))
@@ -213,7 +213,7 @@ def lean_train_budget() -> int:
 
 
 def test_dry_run_prints_the_memory_lean_path(capsys):
-    from megatrain_cli.trainer import run_training
+    from megatrain_cli.train.loop import run_training
 
     assert run_training(tiny_recipe(f"engine.max_gpu_mem={lean_train_budget()}B"), dry_run=True) == 0
     out = capsys.readouterr().out
@@ -229,7 +229,7 @@ def test_dry_run_prints_the_memory_lean_path(capsys):
 
 
 def test_train_runs_the_memory_lean_path_or_refuses_with_both_plans(tmp_path, capsys):
-    from megatrain_cli.trainer import run_training
+    from megatrain_cli.train.loop import run_training
 
     out = tmp_path / "lean"
     common = ["train.steps=1", "eval.enabled=false", "logging.dashboard=plain", "logging.every_n_steps=1",

@@ -6,8 +6,11 @@ import math
 
 import pytest
 
-from megatrain_cli.metrics import (PEAK_BF16_TFLOPS, JsonlLog, StepMetrics, TensorBoardLog, executed_flops,
-                                   host_memory_bytes, host_rss_bytes, model_flops, peak_tflops)
+from megatrain_cli.machine import host_memory_bytes, host_rss_bytes
+from megatrain_cli.metrics.flops import executed_flops, model_flops
+from megatrain_cli.metrics.logs import JsonlLog, TensorBoardLog
+from megatrain_cli.metrics.peaks import PEAK_BF16_TFLOPS, peak_tflops
+from megatrain_cli.metrics.record import StepMetrics
 
 
 def cpu_metrics(step: int = 3, **overrides) -> StepMetrics:
@@ -142,7 +145,8 @@ def test_step_metrics_count_the_recomputed_layers_in_executed_flops(keep, expect
     from megatrain_cli.engine.step import Engine
     from megatrain_cli.models.loader import build_store
     from megatrain_cli.recipe import TrainConfig
-    from megatrain_cli.step_metrics import step_metrics, streamed_step_flops
+    from megatrain_cli.metrics.flops import streamed_step_flops
+    from megatrain_cli.metrics.step import step_metrics
     from tests.reference import random_batches, tiny_config
 
     store = build_store(tiny_config("Qwen2ForCausalLM", layers=4), torch.float32, seed=0)

@@ -5,7 +5,8 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from megatrain_cli.metrics import JsonlLog, StepMetrics
+from megatrain_cli.metrics.logs import JsonlLog
+from megatrain_cli.metrics.record import StepMetrics
 from megatrain_cli.plot import (CHART_HEIGHT, MARGIN_BOTTOM, MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, WIDTH, nice_ticks,
                                 plot_run)
 

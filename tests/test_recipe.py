@@ -160,7 +160,7 @@ def test_render_yaml_round_trips(tmp_path, path):
 def test_render_yaml_round_trips_odd_values(tmp_path):
     r = load_recipe(RECIPES / "tiny.yaml", ["output_dir='runs/a b: c'", "data.fields={query: 'q # x'}",
                                              "engine.max_gpu_mem=24GiB", "checkpoint.resume=auto",
-                                             "train.max_grad_norm=null", "engine.staging_bytes=1048576"])
+                                             "train.max_grad_norm=null", "engine.packer_threads=4"])
     dumped = tmp_path / "resolved.yaml"
     dumped.write_text(render_yaml(r))
     assert load_recipe(dumped) == r
@@ -173,21 +173,3 @@ def test_host_adamw_keys():
         == ("auto", True)
     with pytest.raises(RecipeError, match="host_adamw"):
         load_recipe(RECIPES / "tiny.yaml", ["engine.host_adamw=fast"])
-
-
-def test_the_plan_with_device_cast_has_no_weight_staging_and_two_fp32_chunks():
-    import torch
-
-    from megatrain_cli.engine.device_cast import CHUNK
-    from megatrain_cli.engine.plan import make_plan
-    from megatrain_cli.models.adapter import ModelAdapter
-    from tests.reference import tiny_config
-
-    args = dict(adapter=ModelAdapter(tiny_config("Qwen2ForCausalLM", layers=2)), compute_dtype=torch.bfloat16,
-                micro_batch_size=2, seq_len=64, grad_accum=1, checkpoint_interval=2, grad_slabs=4)
-    plain, cast = make_plan(**args), make_plan(**args, device_cast=True)
-    big = max(v for k, v in plain.pinned.items() if k.startswith("weight staging")) // 2 // 2  # elements
-    assert not any(k.startswith("weight staging") for k in cast.pinned)
-    assert cast.device["fp32 cast chunks (2, device_cast)"] == 2 * min(CHUNK, big) * 4
-    assert cast.device_total == plain.device_total + 2 * min(CHUNK, big) * 4
-    assert any("page-locked" in n for n in cast.notes)

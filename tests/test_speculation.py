@@ -12,7 +12,7 @@ import torch
 
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
-from megatrain_cli.optim.cpu_adamw import HostAdamW, lr_at
+from megatrain_cli.optim.host_adamw import HostAdamW, lr_at
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
 from tests.reference import random_batches, tiny_config

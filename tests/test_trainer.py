@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from megatrain_cli.recipe import load_recipe
-from megatrain_cli.trainer import run_training
+from megatrain_cli.train.loop import run_training
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny.yaml"

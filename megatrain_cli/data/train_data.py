@@ -26,7 +26,7 @@ from megatrain_cli.data.example import Example
 from megatrain_cli.data.packing import pack_rows
 from megatrain_cli.data.prompts import pad_id
 from megatrain_cli.data.token_cache import cached_tokenized
-from megatrain_cli.engine.batch import IGNORE_INDEX, MicroBatch
+from megatrain_cli.batch import IGNORE_INDEX, MicroBatch
 from megatrain_cli.recipe import DataConfig
 
 STATE_VERSION = 1

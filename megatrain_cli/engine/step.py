@@ -14,22 +14,22 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatrain_cli.engine import kernel_patch
-from megatrain_cli.engine.batch import (  # noqa: F401 (MicroBatch, StepResult: re-exported for callers)
+from megatrain_cli.batch import (  # noqa: F401 (MicroBatch, StepResult: re-exported for callers)
     IGNORE_INDEX, MAX_LONG_CONTEXT_MASK, MicroBatch, StepResult, block_causal_mask)
-from megatrain_cli.engine.long_context import LongContextPlan
-from megatrain_cli.engine.offload import CheckpointOffloader
+from megatrain_cli.engine.plan.lean import LongContextPlan
+from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
 from megatrain_cli.engine.tiling import SDPA_BACKENDS, sdpa_backend_context, slim_norms, tile_mlp
-from megatrain_cli.engine.transfers import GradSink, WeightStreamer
-from megatrain_cli.optim.cpu_adamw import HostAdamW, clip_coefficient
+from megatrain_cli.engine.transfer import make_transfers
+from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.sharded import ShardedHostStore
 from megatrain_cli.store.tiles import HostStore
 
 if TYPE_CHECKING:  # torch.distributed is imported only by a distributed engine
-    from megatrain_cli.engine.distributed import DistContext
+    from megatrain_cli.engine.dist import DistContext
 
 
 class Engine:
@@ -53,11 +53,9 @@ class Engine:
     one warning (the registry in megatrain_cli.kernels).
 
     `host_adamw` ('auto' | 'torch' | 'cpp') and `defer_moments` pick the host AdamW code and whether
-    deferred (clipped-step) updates store their moments after the next forward (optim/cpu_adamw.py,
-    optim/worker.py); None: MEGATRAIN_HOST_KERNEL / MEGATRAIN_DEFER_MOMENTS, else 'auto' and on.
-
-    `device_cast` (CUDA, one process): the fp32 masters are page-locked and DMA'd as they are, the cast to
-    the compute dtype runs on the device (engine/device_cast.py); off: the packer casts on the host.
+    deferred (clipped-step) updates store their moments after the next forward (optim/host_adamw.py,
+    optim/worker.py). `packer_threads` / `adamw_threads` cap the intra-op threads of the packer's casts and
+    of host AdamW (None: torch's default, every core).
 
     `update_on_read` (one process, host casts, bf16 compute, the C++ kernel with deferred moments): a clipped
     step's weight updates are applied by the packer as the next forward streams each tile, the new weights
@@ -77,8 +75,9 @@ class Engine:
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
                  double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
                  long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
-                 host_adamw: str | None = None, defer_moments: bool | None = None, device_cast: bool = False,
-                 update_on_read: bool = True, dist: DistContext | None = None):
+                 host_adamw: str = "auto", defer_moments: bool = True, update_on_read: bool = True,
+                 packer_threads: int | None = None, adamw_threads: int | None = None,
+                 dist: DistContext | None = None):
         if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
             raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
                              f"the engine was given {checkpoint_interval}: pass "
@@ -105,39 +104,19 @@ class Engine:
         self.update_on_read = False
         if overlap_optimizer:
             self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
-                                          max_grad_norm=train.max_grad_norm, speculate=speculate)
+                                          max_grad_norm=train.max_grad_norm, speculate=speculate,
+                                          threads=adamw_threads)
         before_read = self.worker.wait if self.worker else None
-        if dist is not None and device.type == "cuda" and dist.overlap:
-            from megatrain_cli.engine.dist_pipeline import DistCudaGradSink, DistCudaStreamer
-
-            self.streamer = DistCudaStreamer(store, device, self.dtype, dist, layer_slots=layer_slots,
-                                             double_buffer=double_buffer, before_read=before_read)
-            self.sink = DistCudaGradSink(store, self.streamer, dist, slabs=grad_slabs)
-        elif dist is not None:  # gloo on the CPU, or the synchronous reference path asked for (dist.overlap)
-            from megatrain_cli.engine.distributed import DistGradSink, DistStreamer
-
-            self.streamer = DistStreamer(store, device, self.dtype, dist, layer_slots=layer_slots,
-                                         before_read=before_read)
-            self.sink = DistGradSink(store, self.streamer, dist)
-        elif device.type == "cuda":
-            from megatrain_cli.engine.cuda_pipeline import CudaGradSink, CudaStreamer
-            from megatrain_cli.engine.device_cast import DeviceCastStreamer
-
-            streamer_cls = DeviceCastStreamer if device_cast else CudaStreamer
-            self.streamer = streamer_cls(store, device, self.dtype, layer_slots=layer_slots,
-                                         double_buffer=double_buffer, before_read=before_read)
-            self.sink = CudaGradSink(store, self.streamer.stats, device, slabs=grad_slabs)
-        else:
-            self.streamer = WeightStreamer(store, device, self.dtype, layer_slots=layer_slots,
-                                           before_read=before_read)
-            self.sink = GradSink(store, self.streamer.stats)
+        self.streamer, self.sink = make_transfers(store, device, self.dtype, dist=dist, layer_slots=layer_slots,
+                                                  double_buffer=double_buffer, grad_slabs=grad_slabs,
+                                                  before_read=before_read, packer_threads=packer_threads)
         if self.worker is not None:
             self.sink.on_landed = self.worker.landed  # AdamW starts on a tile as soon as its gradient lands
             self.sink.before_write = self.worker.wait_state  # deferred moments read the old gradient
             # A clipped step's weights are updated by the packer as the next forward streams them (optim/
             # worker.py: read-through): the host-cast streamers of one process, bf16 compute, C++ kernel.
             self.update_on_read = (update_on_read and self.optimizer.defer_moments and self.dtype == torch.bfloat16
-                                   and dist is None and not device_cast)
+                                   and dist is None)
             if self.update_on_read:
                 self.worker.read_through = frozenset([*store.layer_names, "head"])
                 self.streamer.claim = self.worker.claim

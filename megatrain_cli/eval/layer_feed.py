@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_cli.metrics import available_host_bytes
+from megatrain_cli.machine import available_host_bytes
 from megatrain_cli.store.tiles import HostStore
 
 

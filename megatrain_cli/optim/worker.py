@@ -61,8 +61,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from megatrain_cli.host_threads import ADAMW_THREADS_ENV, limit_this_thread
-from megatrain_cli.optim.cpu_adamw import HostAdamW
+from megatrain_cli.machine import limit_this_thread
+from megatrain_cli.optim.host_adamw import HostAdamW
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -115,9 +115,11 @@ class ReadThroughUpdate:
 
 class OptimizerWorker:
     def __init__(self, optimizer: HostAdamW, store: HostStore, *, forward_order: list[str],
-                 max_grad_norm: float | None, speculate: bool = True, assume_clipped: bool = True):
+                 max_grad_norm: float | None, speculate: bool = True, assume_clipped: bool = True,
+                 threads: int | None = None):
         self.optimizer, self.store = optimizer, store
         self.max_grad_norm, self.speculate = max_grad_norm, speculate
+        self.threads = threads  # intra-op threads of host AdamW in this worker's thread (None: torch's default)
         self._rank = {name: i for i, name in enumerate(forward_order)}
         # _done: no job pending for the tile; _weights_done: none that changes its weights ('moments' jobs
         # do not), which is all the next forward needs.
@@ -320,7 +322,7 @@ class OptimizerWorker:
 
     def _run(self) -> None:
         try:
-            limit_this_thread(ADAMW_THREADS_ENV)
+            limit_this_thread(self.threads)
         except ValueError as err:  # surfaced by the first wait()
             self._error = err
         while True:

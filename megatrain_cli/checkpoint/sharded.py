@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from megatrain_cli.checkpoint import (CHUNK_BYTES, FORMAT, SECTIONS, CheckpointError, _event, _model_summary,
+from megatrain_cli.checkpoint.whole import (CHUNK_BYTES, FORMAT, SECTIONS, CheckpointError, _event, _model_summary,
                                       _read_tile, _seal_and_publish, _write_side_files, _write_tile, fsync_dir,
                                       read_safetensors_header, tensor_bytes)
 
@@ -38,7 +38,7 @@ def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_st
     on a file system all ranks share)."""
     import torch.distributed as dist
 
-    from megatrain_cli.checkpoint import VERSION
+    from megatrain_cli.checkpoint.whole import VERSION
 
     output_dir = Path(output_dir)
     rank, world, group = store.rank, store.world, store.cpu_group

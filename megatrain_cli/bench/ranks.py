@@ -27,20 +27,19 @@ from pathlib import Path
 
 import torch
 
-from megatrain_cli.bench import (BenchResult, DoesNotFit, bench_config, choose_bench_plan, model_label,
-                                 peak_rss_bytes, synthetic_batch)
-from megatrain_cli.bench_loop import BENCH_LR, run_timed_steps
-from megatrain_cli.dist_train import RankSpec, under_torchrun
-from megatrain_cli.engine.distributed import (init_distributed, leave_process_group, multicast_off,
+from megatrain_cli.bench.short import (BenchResult, DoesNotFit, bench_config, choose_bench_plan, model_label, synthetic_batch)
+from megatrain_cli.bench.loop import BENCH_LR, run_timed_steps
+from megatrain_cli.train.ranks import RankSpec, under_torchrun
+from megatrain_cli.engine.dist import (init_distributed, leave_process_group, multicast_off,
                                               split_micro_batches)
-from megatrain_cli.engine.plan import host_problems, kept_block_ids, make_plan
+from megatrain_cli.engine.plan.memory import host_problems, kept_block_ids, make_plan
 from megatrain_cli.engine.schedule import blocks
 from megatrain_cli.engine.step import Engine
-from megatrain_cli.metrics import host_rss_bytes
+from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.recipe import TrainConfig
-from megatrain_cli.step_metrics import streamed_step_flops
+from megatrain_cli.metrics.flops import streamed_step_flops
 from megatrain_cli.store.sharded import build_sharded_store
 
 GiB = 2**30

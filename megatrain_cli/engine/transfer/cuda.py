@@ -25,8 +25,8 @@ from functools import partial
 
 import torch
 
-from megatrain_cli.engine.transfers import GradSink, Slot, TransferStats, WeightStreamer
-from megatrain_cli.host_threads import PACKER_THREADS_ENV, limit_this_thread
+from megatrain_cli.engine.transfer.reference import GradSink, Slot, TransferStats, WeightStreamer
+from megatrain_cli.machine import limit_this_thread
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -41,7 +41,8 @@ class _DeviceSlot(Slot):
 
 class CudaStreamer(WeightStreamer):
     def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, *, layer_slots: int = 2,
-                 staging_numel: int | None = None, double_buffer: bool = True, before_read=None):
+                 staging_numel: int | None = None, double_buffer: bool = True, before_read=None,
+                 packer_threads: int | None = None):
         self.store, self.device, self.dtype = store, device, dtype
         big = store.largest_layer_numel()
         self.layer_slots = [_DeviceSlot(torch.empty(big, dtype=dtype, device=device)) for _ in range(layer_slots)]
@@ -63,7 +64,7 @@ class CudaStreamer(WeightStreamer):
         self.h2d = torch.cuda.Stream(device)
         self.compute = torch.cuda.current_stream(device)
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="megatrain-packer",
-                                          initializer=limit_this_thread, initargs=(PACKER_THREADS_ENV,))
+                                          initializer=limit_this_thread, initargs=(packer_threads,))
         self._order: list[str] = []
         self._cursor = 0
         self._current: _DeviceSlot | None = None

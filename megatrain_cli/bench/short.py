@@ -19,17 +19,19 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from megatrain_cli.bench_loop import BENCH_LR, run_timed_steps
-from megatrain_cli.engine.long_context import GiB, fmt_bytes, plan_memory_lean, refusal
-from megatrain_cli.engine.plan import device_problem, host_problems, kept_block_ids, make_plan, resolve_keep_blocks
+from megatrain_cli.bench.loop import BENCH_LR, run_timed_steps
+from megatrain_cli.engine.plan.lean import GiB, fmt_bytes, plan_memory_lean, refusal
+from megatrain_cli.engine.plan.memory import device_problem, host_problems, kept_block_ids, make_plan, resolve_keep_blocks
 from megatrain_cli.engine.schedule import blocks
 from megatrain_cli.engine.step import Engine, MicroBatch
-from megatrain_cli.metrics import host_rss_bytes, model_flops
+from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
+from megatrain_cli.metrics.flops import model_flops
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig
-from megatrain_cli.step_metrics import step_metrics, streamed_step_flops
+from megatrain_cli.metrics.flops import streamed_step_flops
+from megatrain_cli.metrics.step import step_metrics
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -59,14 +61,6 @@ def model_label(preset: str, layers: int | None) -> str:
 
 def causal_lm_flops(matmul_params: int, batch: int, seq: int, hidden: int, layers: int) -> float:
     return model_flops(matmul_params, batch * seq, batch, seq, hidden, layers)
-
-
-def peak_rss_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return 0
 
 
 class DoesNotFit(RuntimeError):
@@ -174,7 +168,7 @@ def bench_engine(preset: str, batch: int, seq: int, steps: int, *, grad_accum: i
                                          memory_fallback=memory_fallback, log=log)
     alloc_conf = ""
     if lean is not None:
-        from megatrain_cli.bench_long import _expandable_segments
+        from megatrain_cli.bench.long_context import _expandable_segments
 
         alloc_conf = _expandable_segments(dev)  # multi-GiB activations of varying size fragment the allocator
         checkpoint_interval, keep, loss_chunk_tokens = lean.checkpoint_interval, 0, lean.loss_chunk_tokens

@@ -28,7 +28,6 @@ gradient. Bit-identical to `update`; what it buys is a smaller pass where the ne
 from __future__ import annotations
 
 import math
-import os
 import warnings
 
 import torch
@@ -64,21 +63,17 @@ def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
 
 
 KERNELS = ("torch", "cpp", "auto")
-KERNEL_ENV = "MEGATRAIN_HOST_KERNEL"
-DEFER_ENV = "MEGATRAIN_DEFER_MOMENTS"
 _warned_fallback = False
 
 
-def resolve_kernel(kernel: str | None = None) -> str:
+def resolve_kernel(kernel: str = "auto") -> str:
     """'torch' or 'cpp': the code HostAdamW's update and correct will run."""
     global _warned_fallback
-    if kernel is None:
-        kernel = os.environ.get(KERNEL_ENV, "").strip().lower() or "auto"
     if kernel not in KERNELS:
         raise ValueError(f"host AdamW kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "torch":
         return "torch"
-    from megatrain_cli.optim import host_kernels
+    from megatrain_cli.optim import adamw_cpp as host_kernels
 
     try:
         host_kernels.load()
@@ -94,7 +89,7 @@ def resolve_kernel(kernel: str | None = None) -> str:
 
 
 class HostAdamW:
-    def __init__(self, cfg: TrainConfig, kernel: str | None = None, defer_moments: bool | None = None):
+    def __init__(self, cfg: TrainConfig, kernel: str = "auto", defer_moments: bool = True):
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         self.eps = cfg.eps
         self.weight_decay = cfg.weight_decay
@@ -102,11 +97,9 @@ class HostAdamW:
         self.kernel = resolve_kernel(kernel)
         self._cpp = None
         if self.kernel == "cpp":
-            from megatrain_cli.optim import host_kernels
+            from megatrain_cli.optim import adamw_cpp as host_kernels
 
             self._cpp = host_kernels
-        if defer_moments is None:
-            defer_moments = os.environ.get(DEFER_ENV, "1").strip() not in ("0", "false", "no", "off")
         self.defer_moments = bool(defer_moments) and self._cpp is not None
 
     def _fused(self, master, grad, m, v, step: float, lr: float, wd: float, clip: float) -> None:

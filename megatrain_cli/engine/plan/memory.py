@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
-from megatrain_cli.metrics import available_host_bytes
+from megatrain_cli.machine import available_host_bytes
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import HostStore
 
@@ -65,10 +65,8 @@ class MemoryPlan:
 
 def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_size: int, seq_len: int,
               grad_accum: int, checkpoint_interval: int, grad_slabs: int, layer_slots: int = 2,
-              loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0,
-              device_cast: bool = False) -> MemoryPlan:
-    """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute);
-    `device_cast`: the masters are DMA'd as fp32 and cast on the device (engine/device_cast.py)."""
+              loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0) -> MemoryPlan:
+    """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute)."""
     store = HostStore(adapter, compute_dtype, allocate=False)
     n = store.num_params()
     width = torch.finfo(compute_dtype).bits // 8
@@ -80,21 +78,12 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
     plan.host["4 KiB alignment padding"] = max(0, store.host_bytes() - (12 + width) * n)
     big = store.largest_layer_numel()
     if device_type == "cuda":
-        if device_cast:
-            plan.notes.append(f"device_cast: the streamed tiles' fp32 masters are page-locked in place "
-                              f"({4 * (n - (0 if adapter.tied else store.layouts['embed'].numel)) / 2**30:.1f} "
-                              f"GiB locked, counted above, not allocated twice); no weight staging")
-        else:
-            plan.pinned["weight staging (2 x largest layer)"] = 2 * big * width
+        plan.pinned["weight staging (2 x largest layer)"] = 2 * big * width
         plan.pinned[f"gradient slabs (K={grad_slabs} x largest layer)"] = grad_slabs * big * width
     h, layers, vocab = adapter.hidden_size, adapter.num_layers, adapter.vocab_size
     tokens = micro_batch_size * seq_len
     inter = int(getattr(adapter.config, "intermediate_size", 4 * h))
     plan.device[f"layer weight slots ({layer_slots} x largest layer)"] = layer_slots * big * width
-    if device_cast and device_type == "cuda":
-        from megatrain_cli.engine.device_cast import CHUNK
-
-        plan.device["fp32 cast chunks (2, device_cast)"] = 2 * min(CHUNK, big) * 4
     plan.device["head weights (norm + LM head)"] = store.layouts["head"].numel * width
     if adapter.tied:
         plan.device["tied embedding table"] = store.layouts["embed"].numel * width

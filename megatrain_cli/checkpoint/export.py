@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain_cli.checkpoint import (CheckpointError, fsync_dir, latest_checkpoint, load_tiles,
+from megatrain_cli.checkpoint.whole import (CheckpointError, fsync_dir, latest_checkpoint, load_tiles,
                                       publish_dir, safetensors_header, tensor_bytes,
                                       write_all, write_file_durably)
 from megatrain_cli.store.tiles import HostStore, Slot

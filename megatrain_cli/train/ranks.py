@@ -54,7 +54,7 @@ def under_torchrun() -> bool:
 
 def train(r: Recipe, gpus: int | None = None, *, dry_run: bool = False, force: bool = False) -> int:
     """The CLI's entry: one process, N spawned ranks, or this rank of a torchrun job."""
-    from megatrain_cli.trainer import run_training
+    from megatrain_cli.train.loop import run_training
 
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -88,8 +88,8 @@ def run_rank(r: Recipe, spec: RankSpec, *, force: bool = False) -> int:
     """One rank's whole run; the process group is torn down at the end."""
     import torch.distributed as dist
 
-    from megatrain_cli.engine.distributed import leave_process_group
-    from megatrain_cli.trainer import run_training
+    from megatrain_cli.engine.dist import leave_process_group
+    from megatrain_cli.train.loop import run_training
 
     try:
         return run_training(r, force=force, dist=spec)
@@ -128,8 +128,8 @@ def spawn(r: Recipe, world: int, *, force: bool = False) -> int:
 # ---------------------------------------------------------------- used by trainer._loop on each rank
 def start_rank(spec: RankSpec, r: Recipe, device: torch.device, long_ctx):
     """Join the process group (the DistContext the engine takes), after the checks every rank makes."""
-    from megatrain_cli.engine.distributed import init_distributed
-    from megatrain_cli.trainer import TrainingError
+    from megatrain_cli.engine.dist import init_distributed
+    from megatrain_cli.train.loop import TrainingError
 
     if long_ctx is not None:
         raise TrainingError(f"{long_ctx.label} path: not available with several ranks yet (train.seq_len "
@@ -156,7 +156,7 @@ def export_sharded(store, out_dir, *, dtype: torch.dtype, tokenizer=None) -> Pat
     rank 0 exports. Returns the path on rank 0, None elsewhere."""
     import torch.distributed as dist
 
-    from megatrain_cli.export import export_hf
+    from megatrain_cli.checkpoint import export_hf
     from megatrain_cli.store.tiles import HostStore
 
     whole = HostStore(store.adapter, store.compute_dtype) if store.rank == 0 else None

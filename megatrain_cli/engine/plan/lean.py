@@ -273,7 +273,7 @@ def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = 4 * GiB, ava
     staging, gradient slabs) minus a margin for the process (Python, the allocator, the data). Never
     below 0."""
     if available is None:
-        from megatrain_cli.metrics import available_host_bytes
+        from megatrain_cli.machine import available_host_bytes
 
         available = available_host_bytes()
     return max(0, available - pinned_engine_bytes - margin_bytes)

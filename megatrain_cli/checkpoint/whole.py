@@ -350,7 +350,7 @@ def load_tiles(store: HostStore, path: str | Path, sections: tuple[str, ...] = S
     path = Path(path)
     manifest = _read_manifest(path)
     if "world" in manifest:  # written by N data-parallel ranks: gathered from their shard files
-        from megatrain_cli.checkpoint_sharded import load_resharded
+        from megatrain_cli.checkpoint.sharded import load_resharded
 
         load_resharded(store, path, manifest, sections)
         return manifest
@@ -373,7 +373,7 @@ def load_checkpoint(store: HostStore, path: str | Path) -> dict:
         raise CheckpointError(f"{path / TRAINER_STATE}: checksum mismatch (file corrupted)")
     trainer_state = json.loads(raw)
     if getattr(store, "world", None) is not None:  # a ShardedHostStore: this rank's part, from any N
-        from megatrain_cli.checkpoint_sharded import load_rank
+        from megatrain_cli.checkpoint.sharded import load_rank
 
         load_rank(store, path, manifest)
     else:

@@ -77,7 +77,7 @@ def build_plan(r: Recipe, config, device: torch.device, long_ctx=None):
     """The memory plan. With a long-context (or memory-lean) plan its host figures stand, its device figures
     are the short-context engine's (the long-context plan's replace them): interval and loss chunk are the
     long plan's, and no block keeps its activations."""
-    from megatrain_cli.engine.plan import make_plan, resolve_keep_blocks
+    from megatrain_cli.engine.plan.memory import make_plan, resolve_keep_blocks
     from megatrain_cli.models.adapter import ModelAdapter
 
     args = dict(adapter=ModelAdapter(config), compute_dtype=DTYPES[r.model.dtype],
@@ -119,7 +119,7 @@ def long_context_plan(r: Recipe, config, device: torch.device, *, min_seq_len: i
     """The long-context plan (engine/long_context.py) when train.seq_len >= `min_seq_len` (default
     LONG_CONTEXT_MIN_SEQ), else None: the short-context engine. Planned before the host store exists,
     so the host budget for offloaded checkpoints already leaves the store's bytes out."""
-    from megatrain_cli.engine.long_context import LONG_CONTEXT_MIN_SEQ, plan_for_training
+    from megatrain_cli.engine.plan.lean import LONG_CONTEXT_MIN_SEQ, plan_for_training
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.store.tiles import HostStore
 
@@ -142,8 +142,8 @@ def memory_lean_plan(r: Recipe, config, device: torch.device, short_plan):
     budget is unknown (CPU without engine.max_gpu_mem, a dry run for CUDA without it) and when packed rows
     would need a block-causal mask over the long-context path's limit (the short-context plan is refused
     with its numbers then). Check .fits: a plan that does not fit either is returned for its numbers."""
-    from megatrain_cli.engine.long_context import plan_memory_lean
-    from megatrain_cli.engine.plan import device_problem
+    from megatrain_cli.engine.plan.lean import plan_memory_lean
+    from megatrain_cli.engine.plan.memory import device_problem
     from megatrain_cli.engine.step import MAX_LONG_CONTEXT_MASK
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.store.tiles import HostStore
@@ -164,11 +164,11 @@ def memory_lean_plan(r: Recipe, config, device: torch.device, short_plan):
 def path_line(r: Recipe, long_ctx, min_seq_len: int | None = None, short_plan=None) -> str:
     """Which engine path the run takes, in one line; `short_plan`: the short-context plan a memory-lean
     plan replaces (its device figure is quoted)."""
-    from megatrain_cli.engine.long_context import LONG_CONTEXT_MIN_SEQ
+    from megatrain_cli.engine.plan.lean import LONG_CONTEXT_MIN_SEQ
 
     threshold = LONG_CONTEXT_MIN_SEQ if min_seq_len is None else min_seq_len
     if long_ctx is not None and long_ctx.label == "memory-lean":
-        from megatrain_cli.engine.long_context import fmt_bytes
+        from megatrain_cli.engine.plan.lean import fmt_bytes
 
         need = f"needs about {fmt_bytes(short_plan.device_total)}" if short_plan is not None else "does not fit"
         return (f"path: memory-lean engine (the short-context plan {need} of the {fmt_bytes(long_ctx.budget)} "
@@ -228,21 +228,21 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int |
         if long_ctx is not None:
             print(long_ctx.render())
             if not long_ctx.fits:
-                from megatrain_cli.engine.long_context import refusal
+                from megatrain_cli.engine.plan.lean import refusal
 
                 print(f"would not fit: {refusal(long_ctx)} (--force runs it anyway)")
         return 0
-    from megatrain_cli.engine.plan import preflight
+    from megatrain_cli.engine.plan.memory import preflight
 
     if long_ctx is None:
         problems = preflight(plan, device=device, device_budget=device_budget(r, device))
     else:
-        from megatrain_cli.engine.long_context import refusal
+        from megatrain_cli.engine.plan.lean import refusal
 
         # The host checks only: the long-context plan's device peak replaces the generic device estimate.
         problems = preflight(plan, device=torch.device("cpu"))
         if not long_ctx.fits and short_plan is not None:
-            from megatrain_cli.engine.long_context import fmt_bytes
+            from megatrain_cli.engine.plan.lean import fmt_bytes
 
             problems.append(f"device memory: the short-context plan needs about {fmt_bytes(short_plan.device_total)} "
                             f"of the {fmt_bytes(long_ctx.budget)} budget, and the memory-lean plan does not "
@@ -257,7 +257,7 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, long_context_min_seq: int |
         raise TrainingError("the run would not fit:\n  " + "\n  ".join(problems) +
                             "\n(--force runs it anyway)", 3)
     if dist is not None:
-        from megatrain_cli.dist_train import start_rank
+        from megatrain_cli.train.ranks import start_rank
 
         return _loop(r, device, tokenizer, config, plan, long_ctx, dist=start_rank(dist, r, device, long_ctx))
     return _loop(r, device, tokenizer, config, plan, long_ctx)
@@ -267,13 +267,13 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
     from megatrain_cli.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.data import build_train_data, load_examples, split_examples
-    from megatrain_cli.engine.plan import kept_block_ids
+    from megatrain_cli.engine.plan.memory import kept_block_ids
     from megatrain_cli.engine.schedule import blocks
     from megatrain_cli.engine.step import Engine
-    from megatrain_cli.metrics import JsonlLog
+    from megatrain_cli.metrics.logs import JsonlLog
     from megatrain_cli.models.loader import build_store
-    from megatrain_cli.optim.cpu_adamw import lr_at
-    from megatrain_cli.step_metrics import step_metrics
+    from megatrain_cli.optim.host_adamw import lr_at
+    from megatrain_cli.metrics.step import step_metrics
 
     lead = dist is None or dist.rank == 0  # the one process that prints, logs and exports
     out = Path(r.output_dir)
@@ -287,7 +287,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
     total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
                                                                                               t.grad_accum)))
     if long_ctx is not None:
-        from megatrain_cli.bench_long import _expandable_segments
+        from megatrain_cli.bench.long_context import _expandable_segments
 
         _expandable_segments(device)  # multi-GiB activations of varying size fragment the caching allocator
         interval, keep = long_ctx.checkpoint_interval, frozenset()
@@ -333,7 +333,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
     def checkpoint(step: int) -> None:
         engine.synchronize()  # pending host updates land before the masters are read
         if dist is not None:
-            from megatrain_cli.checkpoint_sharded import save_sharded_checkpoint as save
+            from megatrain_cli.checkpoint import save_sharded_checkpoint as save
         else:
             save = save_checkpoint
         save(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},
@@ -356,7 +356,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
                 t0 = time.perf_counter()
                 mbs = data.next_step(t.micro_batch_size, t.grad_accum)
                 if dist is not None:  # every rank draws the global batch and keeps its share
-                    from megatrain_cli.engine.distributed import split_micro_batches
+                    from megatrain_cli.engine.dist import split_micro_batches
 
                     mbs = split_micro_batches(mbs, dist.rank, dist.world)
                 lr = lr_at(step, t, total)
@@ -375,7 +375,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
                         jsonl.write(m)
                 every = r.checkpoint.every_n_steps
                 if dist is not None:  # a signal seen by any rank stops them all after the same step
-                    from megatrain_cli.dist_train import agree_on_signal
+                    from megatrain_cli.train.ranks import agree_on_signal
 
                     stop["signal"] = agree_on_signal(dist, stop["signal"])
                 if stop["signal"] is not None or (every and (step + 1) % every == 0 and step + 1 < total):
@@ -388,13 +388,13 @@ def _loop(r: Recipe, device, tokenizer, config, plan, long_ctx=None, dist=None) 
             if r.checkpoint.every_n_steps:
                 checkpoint(total)
             if r.checkpoint.export_final and dist is not None:
-                from megatrain_cli.dist_train import export_sharded
+                from megatrain_cli.train.ranks import export_sharded
 
                 final = export_sharded(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer)
                 if final is not None:
                     dash.log(f"wrote {final}")
             elif r.checkpoint.export_final:
-                from megatrain_cli.export import export_hf
+                from megatrain_cli.checkpoint import export_hf
 
                 final = export_hf(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer)
                 dash.log(f"wrote {final}")

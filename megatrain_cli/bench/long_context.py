@@ -28,13 +28,13 @@ import time
 
 import torch
 
-from megatrain_cli.bench import BenchResult, bench_config, model_label, peak_rss_bytes, synthetic_batch
-from megatrain_cli.bench_loop import run_timed_steps
-from megatrain_cli.engine.long_context import GiB, LongContextPlan, choose_plan, host_budget_bytes, refusal
+from megatrain_cli.bench.short import BenchResult, bench_config, model_label, synthetic_batch
+from megatrain_cli.bench.loop import run_timed_steps
+from megatrain_cli.engine.plan.lean import GiB, LongContextPlan, choose_plan, host_budget_bytes, refusal
 from megatrain_cli.engine.step import Engine
-from megatrain_cli.metrics import host_rss_bytes
+from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
 from megatrain_cli.models.adapter import ModelAdapter
-from megatrain_cli.step_metrics import streamed_step_flops
+from megatrain_cli.metrics.flops import streamed_step_flops
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.presets import PRESETS
 from megatrain_cli.recipe import TrainConfig

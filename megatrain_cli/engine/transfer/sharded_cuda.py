@@ -47,8 +47,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_cli.engine.cuda_pipeline import CudaGradSink, CudaStreamer, _DeviceSlot
-from megatrain_cli.engine.distributed import DistContext, DistStats, RowsFromOwners, ShardedGradients
+from megatrain_cli.engine.transfer.cuda import CudaGradSink, CudaStreamer, _DeviceSlot
+from megatrain_cli.engine.dist import DistContext
+from megatrain_cli.engine.transfer.sharded import DistStats, RowsFromOwners, ShardedGradients
 from megatrain_cli.store.sharded import ShardedHostStore
 
 
@@ -73,11 +74,11 @@ class DistCudaStreamer(RowsFromOwners, CudaStreamer):
     weight communicator fills the other ranks' slices (module docstring)."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
-                 layer_slots: int = 2, double_buffer: bool = True, before_read=None):
+                 layer_slots: int = 2, double_buffer: bool = True, before_read=None, packer_threads: int | None = None):
         # CudaStreamer sizes its slots to whole tiles; an all-gather fills shard x N elements, so the layer
         # slots are made here, padded (layer_slots=0: none is allocated twice).
         super().__init__(store, device, dtype, layer_slots=0, staging_numel=largest_layer_shard(store),
-                         double_buffer=double_buffer, before_read=before_read)
+                         double_buffer=double_buffer, before_read=before_read, packer_threads=packer_threads)
         self.ctx, self.rows, self.stats = ctx, None, DistStats()
         self.layer_slots = [self._slot(store.largest_padded_layer_numel()) for _ in range(layer_slots)]
         self._lru = list(self.layer_slots)

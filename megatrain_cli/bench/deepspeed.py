@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from megatrain_cli.baselines.deepspeed_run import EXIT_DEEPSPEED_BROKEN, EXIT_NO_DEEPSPEED
-from megatrain_cli.bench import BenchResult
+from megatrain_cli.bench.deepspeed_child import EXIT_DEEPSPEED_BROKEN, EXIT_NO_DEEPSPEED
+from megatrain_cli.bench.short import BenchResult
 
 GiB = 2**30
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -285,7 +285,7 @@ def bench_deepspeed(preset: str, batch: int, seq: int, steps: int, *, warmup: in
         f"kill floor {host_floor_bytes / GiB:.1f} GiB")
     with tempfile.TemporaryDirectory(prefix="megatrain-ds-") as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = [python or sys.executable, "-u", "-m", "megatrain_cli.baselines.deepspeed_run", "--model", preset,
+        cmd = [python or sys.executable, "-u", "-m", "megatrain_cli.bench.deepspeed_child", "--model", preset,
                "--seq", str(seq), "--batch", str(batch), "--steps", str(steps), "--warmup", str(warmup),
                "--out", out] + (["--reentrant"] if reentrant else [])
         mon = run_monitored(cmd, env=env, log=log, host_floor_bytes=host_floor_bytes, timeout_s=timeout_s)

@@ -3,7 +3,7 @@
 A script, run in a process of its own (deepspeed_bench.bench_deepspeed starts it, watches its host
 memory and kills it before the machine runs out):
 
-    python -m megatrain_cli.baselines.deepspeed_run --model 3b --seq 4096 --batch 8 --steps 3 --warmup 1 \
+    python -m megatrain_cli.bench.deepspeed_child --model 3b --seq 4096 --batch 8 --steps 3 --warmup 1 \
         --out result.json
 
 What runs is the strongest standard DeepSpeed setup for a model whose training state does not fit
@@ -252,7 +252,7 @@ def run(args) -> dict:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from transformers import AutoModelForCausalLM
 
-    from megatrain_cli.metrics import model_flops
+    from megatrain_cli.metrics.flops import model_flops
     from megatrain_cli.presets import PRESETS
 
     p = PRESETS[args.model]
@@ -339,7 +339,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m megatrain_cli.baselines.deepspeed_run", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m megatrain_cli.bench.deepspeed_child", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="3b", help="a preset name (megatrain_cli/presets.py)")
     ap.add_argument("--seq", type=int, default=4096)

@@ -1,1 +1,0 @@
-"""Baselines for `megatrain bench`: other systems training the same model, each in its own process."""

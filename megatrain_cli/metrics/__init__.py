@@ -1,0 +1,9 @@
+"""Per-step figures: FLOP counts, device peaks, the StepMetrics record, and the logs it goes to."""
+
+from megatrain_cli.metrics.flops import executed_flops, model_flops
+from megatrain_cli.metrics.logs import JsonlLog, TensorBoardLog
+from megatrain_cli.metrics.peaks import PEAK_BF16_TFLOPS, peak_tflops
+from megatrain_cli.metrics.record import StepMetrics
+
+__all__ = ["PEAK_BF16_TFLOPS", "JsonlLog", "StepMetrics", "TensorBoardLog", "executed_flops", "model_flops",
+           "peak_tflops"]

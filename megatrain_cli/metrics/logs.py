@@ -1,0 +1,71 @@
+"""Where step metrics go besides the screen: metrics.jsonl (always the same keys) and TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TextIO
+
+from megatrain_cli.metrics.record import StepMetrics
+
+class JsonlLog:
+    """Appends one JSON object per step to a file, flushed at once so a crash loses nothing.
+
+    Append, not truncate: a resumed run continues the same file (plot.py keeps the last record of
+    a step that appears twice).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: TextIO | None = open(self.path, "a", encoding="utf-8")
+
+    def write(self, m: StepMetrics) -> None:
+        if self._file is None:
+            raise ValueError(f"{self.path}: log already closed")
+        self._file.write(json.dumps(m.to_json(), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> "JsonlLog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class TensorBoardLog:
+    """TensorBoard scalars for every numeric field, when tensorboard is installed; else a no-op.
+
+    `available` says which. It is optional on purpose: tensorboard is not a dependency.
+    """
+
+    def __init__(self, log_dir: str | os.PathLike):
+        self.log_dir = Path(log_dir)
+        self._writer = None
+        try:
+            import tensorboard  # noqa: F401  (SummaryWriter imports it lazily; fail here instead)
+            from torch.utils.tensorboard import SummaryWriter
+        except Exception:  # ImportError, or a broken install: either way, no TensorBoard
+            self.available = False
+            return
+        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        self.available = True
+
+    def write(self, m: StepMetrics) -> None:
+        if self._writer is None:
+            return
+        for key, value in m.to_json().items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self._writer.add_scalar(f"train/{key}", value, m.step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None

@@ -1,0 +1,169 @@
+"""The recipe's typed schema: every setting of `train` and `bench`, with its type, default and doc.
+
+Every field is a dataclass field with a `doc` in its metadata; validation, `--help`, the resolved print
+and the commented example YAML all come from these classes (recipe/load.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+
+def doc(text: str, default: Any = dataclasses.MISSING, factory: Any = dataclasses.MISSING):
+    """A dataclass field carrying its documentation (the schema's single source of truth)."""
+    if factory is not dataclasses.MISSING:
+        return field(default_factory=factory, metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = doc("Local Hugging Face model directory (config.json, *.safetensors, tokenizer). "
+                              "Exactly one of path / preset.", None)
+    preset: Optional[str] = doc("Named random-init shape instead of a path: tiny, 0.5b, 1.5b, 3b, 7b, 14b, "
+                                "32b, 72b (Qwen2.5-shaped) or llama3-8b.", None)
+    dtype: Literal["bf16", "fp32"] = doc("Compute dtype on the device (master weights are always fp32).", "bf16")
+    trust_remote_code: bool = doc("Allow model code shipped inside the model directory. Off unless you trust it.",
+                                  False)
+    tokenizer: Optional[str] = doc("Tokenizer directory; default: the model path, or the bundled offline "
+                                   "tokenizer for presets.", None)
+    seed: int = doc("Seed for random init of presets.", 0)
+
+
+@dataclass
+class DataConfig:
+    source: str = doc("A dataset: 'builtin:sample_math' (bundled), a local .json/.jsonl/.parquet file, a "
+                      "directory saved by `datasets`, or a Hugging Face dataset name.", "builtin:sample_math")
+    format: Literal["auto", "metamathqa", "gsm8k", "alpaca", "messages"] = doc(
+        "Record format; 'auto' detects it from the fields.", "auto")
+    fields: dict = doc("Field-name overrides, e.g. {query: question, response: answer}.", factory=dict)
+    template: Literal["auto", "chat", "plain"] = doc(
+        "Prompt template: the tokenizer's chat template when it has one ('auto'), or the plain one.", "auto")
+    split: Optional[str] = doc("Dataset split to read (for hub / saved datasets); None takes 'train'.", None)
+    test_fraction: float = doc("Held-out fraction for the seeded random train/test split (paper: 0.3).", 0.3)
+    test_source: Optional[str] = doc("An explicit test set instead of the random split.", None)
+    split_seed: int = doc("Seed of the train/test split.", 1234)
+    max_samples: Optional[int] = doc("Use at most this many records (before splitting).", None)
+    packing: bool = doc("Pack several examples per row (block-causal attention, positions reset) so no "
+                        "FLOPs go to padding.", True)
+    num_proc: int = doc("Processes for tokenisation.", 1)
+    cache_dir: str = doc("Cache of tokenised examples (keyed by the data, tokenizer and template): 'auto' "
+                         "(~/.cache/megatrain/tokenized, or $MEGATRAIN_CACHE/tokenized), a directory, or 'off'.",
+                         "auto")
+
+
+@dataclass
+class TrainConfig:
+    steps: Optional[int] = doc("Optimizer steps; exactly one of steps / epochs.", None)
+    epochs: Optional[float] = doc("Passes over the training split; exactly one of steps / epochs.", None)
+    micro_batch_size: int = doc("Sequences per micro-batch.", 1)
+    grad_accum: int = doc("Micro-batches per optimizer step.", 1)
+    seq_len: int = doc("Tokens per sequence (packed rows are this long).", 2048)
+    lr: float = doc("Peak learning rate.", 1e-5)
+    min_lr_ratio: float = doc("Final learning rate as a fraction of lr (cosine / linear schedules).", 0.0)
+    weight_decay: float = doc("AdamW weight decay, applied to matrices only (not norms or biases).", 0.0)
+    betas: list = doc("AdamW betas.", factory=lambda: [0.9, 0.999])
+    eps: float = doc("AdamW epsilon.", 1e-8)
+    warmup_steps: int = doc("Linear warm-up steps.", 0)
+    schedule: Literal["cosine", "linear", "constant"] = doc("Learning-rate schedule after warm-up.", "cosine")
+    max_grad_norm: Optional[float] = doc("Global gradient-norm clip; None disables clipping.", 1.0)
+    seed: int = doc("Seed for data order.", 42)
+    nan_policy: Literal["skip", "stop"] = doc("On a NaN/Inf loss or gradient: skip the step (counted) or stop.",
+                                              "skip")
+
+
+@dataclass
+class EngineConfig:
+    device: Literal["auto", "cpu", "cuda"] = doc("Where layers compute; 'auto' takes cuda when present.", "auto")
+    checkpoint_interval: int = doc("Keep an activation checkpoint every N layers; backward recomputes each "
+                                   "block of N layers from it.", 4)
+    grad_slabs: int = doc("K pinned gradient slabs between the GPU and the host optimizer.", 12)
+    loss_chunk_tokens: int = doc("Tokens per chunk of the LM-head loss, so full logits never exist.", 4096)
+    max_gpu_mem: Optional[str] = doc("Device-memory budget (e.g. '24GiB'); None: what the device has.", None)
+    double_buffer: bool = doc("Prefetch the next layer's weights while this one computes (CUDA).", True)
+    overlap_optimizer: bool = doc("Run host AdamW in a background thread, overlapping the GPU (CUDA).", True)
+    speculate_optimizer: bool = doc("Update each layer as its gradients land, before the global gradient norm "
+                                    "is known; when the step turns out clipped they are corrected (exact to fp32 "
+                                    "rounding), when it is not finite rolled back. Needs overlap_optimizer.", True)
+    keep_activations: Union[int, str] = doc("Memory-adaptive recompute: how many of the last blocks keep their "
+                                            "activations instead of being recomputed; 'auto' = as many as fit "
+                                            "the device budget (0 on CPU).", "auto")
+    kernels: Literal["auto", "torch", "triton"] = doc("Fused kernels: 'auto' uses Triton on CUDA, PyTorch on "
+                                                      "CPU.", "auto")
+    host_adamw: Literal["auto", "torch", "cpp"] = doc("Host AdamW code: 'cpp' (C++ compiled at first use: one "
+                                                      "pass that reads bf16 gradients as they are), 'torch' (torch's "
+                                                      "fused CPU AdamW over fp32-widened gradients), 'auto' = cpp "
+                                                      "where it compiles, else torch with one warning.", "auto")
+    update_on_read: bool = doc("With deferred moments: the packer applies a clipped step's weight update to each "
+                               "tile as the next forward streams it, casting the new weights straight into pinned "
+                               "staging (20 instead of 24 bytes/param of host memory traffic where the forward "
+                               "waits). One process, host casts. Bit-identical either way.", True)
+    defer_moments: bool = doc("With the C++ kernel: an update that waits for the gradient norm (a clipped step) "
+                              "stores the new weights first and the Adam moments later, off the next forward's "
+                              "critical path. Bit-identical either way.", True)
+    layer_slots: int = doc("Device weight buffers for decoder layers (>= 2): one computes while the next "
+                           "arrives; more let a block's backward reuse recomputed weights.", 2)
+    sdpa: Literal["auto", "flash", "cudnn", "efficient", "math"] = doc(
+        "SDPA backends on CUDA: 'auto' leaves PyTorch's choice on the short-context path and allows cuDNN, "
+        "flash and memory-efficient (never math) on the long-context one; a name forces that backend.", "auto")
+    long_context_min_seq: Optional[int] = doc(
+        "train.seq_len from which the long-context path runs (checkpoint interval 1, MLP chunked over the "
+        "sequence, checkpoints offloaded to pinned host memory as needed); null: never.", 32768)
+    memory_fallback: bool = doc("When the short-context plan does not fit the device budget, take the "
+                                "memory-lean path (the long-context machinery at any length) instead of "
+                                "refusing the run.", True)
+    packer_threads: Optional[int] = doc("Intra-op threads of the packer's fp32 -> bf16 casts (CUDA); null: "
+                                        "torch's default, every core.", None)
+    adamw_threads: Optional[int] = doc("Intra-op threads of host AdamW in its background thread; null: "
+                                       "torch's default, every core.", None)
+    overlap_ranks: bool = doc("With several ranks on CUDA: overlap each rank's shard transfers and collectives "
+                              "with compute; false runs the synchronous reference path.", True)
+
+
+@dataclass
+class CheckpointConfig:
+    every_n_steps: Optional[int] = doc("Write a resumable checkpoint every N steps; None: only at the end.",
+                                       None)
+    keep_last_n: int = doc("Keep this many step checkpoints.", 2)
+    resume: Optional[str] = doc("'auto' (latest in output_dir), a checkpoint path, or None.", None)
+    export_final: bool = doc("Write output_dir/final/ in Hugging Face format at the end.", True)
+
+
+@dataclass
+class LoggingConfig:
+    every_n_steps: int = doc("Log a metrics line every N steps.", 1)
+    dashboard: Literal["auto", "rich", "plain", "off"] = doc("Live view: 'auto' = rich on a terminal, plain "
+                                                             "lines otherwise.", "auto")
+    jsonl: bool = doc("Append every logged step to output_dir/metrics.jsonl.", True)
+    tensorboard: bool = doc("Also write TensorBoard scalars to output_dir/tensorboard/ (needs the tensorboard "
+                            "package; a run that asks without it is refused).", False)
+
+
+@dataclass
+class EvalConfig:
+    enabled: bool = doc("Run exact-match eval on the held-out split at the end of training.", False)
+    limit: Optional[int] = doc("Evaluate at most N examples.", 64)
+    batch_size: int = doc("Prompts per generation batch.", 8)
+    max_new_tokens: int = doc("Generation length limit.", 256)
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = doc("What to train.", factory=ModelConfig)
+    data: DataConfig = doc("What to train on.", factory=DataConfig)
+    train: TrainConfig = doc("Optimisation.", factory=TrainConfig)
+    engine: EngineConfig = doc("How layers stream.", factory=EngineConfig)
+    checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
+    logging: LoggingConfig = doc("Metrics and the live view.", factory=LoggingConfig)
+    eval: EvalConfig = doc("Held-out exact-match eval.", factory=EvalConfig)
+    output_dir: str = doc("Where checkpoints, metrics and final/ go.", "runs/default")
+
+
+class RecipeError(ValueError):
+    """All problems found in a recipe, one per line, each with its dotted path."""
+
+    def __init__(self, problems: list[str], source: str = "recipe"):
+        self.problems = problems
+        super().__init__(f"{source}: {len(problems)} problem(s)\n" + "\n".join(f"  - {p}" for p in problems))
