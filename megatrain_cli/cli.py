@@ -64,7 +64,7 @@ def train(ctx: typer.Context,
     except RecipeError as err:
         _fail(str(err))
     if gpus is not None or "WORLD_SIZE" in os.environ:
-        from megatrain_cli.train.ranks import train as train_dist
+        from megatrain_cli.train.launch import train as train_dist
 
         raise typer.Exit(train_dist(r, gpus, dry_run=dry_run, force=force))
     from megatrain_cli.train.loop import run_training

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_cli.engine.plan.lean import (GiB, layer_saved_bytes, ModelShape, plan_long_context,
+from megatrain_cli.engine.plan.lean import GiB, plan_long_context
+from megatrain_cli.engine.plan.lean_terms import layer_saved_bytes, ModelShape
                                                plan_memory_lean)
 from megatrain_cli.engine.plan.memory import activation_bytes_per_layer, device_problem, make_plan
 from megatrain_cli.models.adapter import ModelAdapter
@@ -203,7 +204,7 @@ def lean_train_budget() -> int:
     """engine.max_gpu_mem under the tiny recipe's short-context plan (8 x 256 tokens, 2 micro-batches)
     whose memory-lean plan fits by offloading 2 checkpoints (see offloading_bench_budget)."""
     from megatrain_cli.models.tokenizer import load_tokenizer
-    from megatrain_cli.train.loop import model_config
+    from megatrain_cli.train.setup import model_config
 
     r = tiny_recipe()
     adapter = ModelAdapter(model_config(r, load_tokenizer(r.model)))

@@ -2,7 +2,7 @@
 
 The trainer takes the path from train.seq_len >= LONG_CONTEXT_MIN_SEQ (32768). A 32K-token step of the
 tiny model takes about a minute on two CPU cores, so the training tests lower the threshold with
-run_training(long_context_min_seq=...) and train 4096-token rows; the dry runs plan at 32K and up.
+engine.long_context_min_seq and train 4096-token rows; the dry runs plan at 32K and up.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import pytest
 import torch
 
 from megatrain_cli.recipe import load_recipe
-from megatrain_cli.train.loop import long_context_plan, model_config, run_training
+from megatrain_cli.engine.plan.step_plan import plan_step
+from megatrain_cli.models.adapter import ModelAdapter
+from megatrain_cli.train.loop import run_training
+from megatrain_cli.train.setup import model_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny.yaml"
@@ -55,7 +58,8 @@ def offloading_budget(out: Path) -> tuple[int, object]:
 
     def plan(budget: int):
         with_budget = dataclasses.replace(r, engine=dataclasses.replace(r.engine, max_gpu_mem=f"{budget}B"))
-        return long_context_plan(with_budget, config, torch.device("cpu"), min_seq_len=SEQ)
+        with_budget.engine.long_context_min_seq = SEQ
+        return plan_step(with_budget, ModelAdapter(config), torch.device("cpu")).lean
 
     budget = int(plan(64 * 2**30).predicted_peak / 0.95) + 2**20
     for _ in range(512):
@@ -143,7 +147,7 @@ def long_run(tmp_path_factory):
     log = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(log):
         mp.setattr(engine_step.Engine, "step", spy)
-        code = run_training(recipe(out, f"engine.max_gpu_mem={budget}B"), long_context_min_seq=SEQ)
+        code = run_training(recipe(out, f"engine.max_gpu_mem={budget}B", f"engine.long_context_min_seq={SEQ}"))
     assert code == 0, log.getvalue()
     return out, plan, engines[0], log.getvalue()
 
@@ -178,7 +182,7 @@ def test_long_context_step_matches_the_short_context_engine(long_run, tmp_path):
 def test_long_context_that_does_not_fit_exits_3(tmp_path, capsys):
     out = tmp_path / "nofit"
     r = recipe(out, "engine.max_gpu_mem=64MiB")  # under one layer graph of the 3 x 4096 tokens (~0.15 GiB)
-    assert run_training(r, long_context_min_seq=SEQ) == 3
+    assert run_training(dataclasses.replace(r, engine=dataclasses.replace(r.engine, long_context_min_seq=SEQ))) == 3
     err = capsys.readouterr().err
     assert "would not fit" in err and "long context: predicted device peak" in err and "--force" in err
     assert "device memory:" not in err  # the generic short-context estimate is not asked

@@ -29,7 +29,7 @@ import torch
 
 from megatrain_cli.bench.short import (BenchResult, DoesNotFit, bench_config, choose_bench_plan, model_label, synthetic_batch)
 from megatrain_cli.bench.loop import BENCH_LR, run_timed_steps
-from megatrain_cli.train.ranks import RankSpec, under_torchrun
+from megatrain_cli.train.rank import RankSpec, under_torchrun
 from megatrain_cli.engine.dist import (init_distributed, leave_process_group, multicast_off,
                                               split_micro_batches)
 from megatrain_cli.engine.plan.memory import host_problems, kept_block_ids, make_plan
@@ -40,7 +40,7 @@ from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.metrics.flops import streamed_step_flops
-from megatrain_cli.store.sharded import build_sharded_store
+from megatrain_cli.models.loader import build_sharded_store
 
 GiB = 2**30
 # Device memory each rank keeps out of the plan's budget for the two NCCL communicators' buffers.

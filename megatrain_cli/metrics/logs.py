@@ -39,6 +39,16 @@ class JsonlLog:
         self.close()
 
 
+def tensorboard_available() -> bool:
+    """Whether TensorBoard events can be written here (the tensorboard package imports)."""
+    try:
+        import tensorboard  # noqa: F401
+        from torch.utils.tensorboard import SummaryWriter  # noqa: F401
+    except Exception:  # ImportError, or a broken install
+        return False
+    return True
+
+
 class TensorBoardLog:
     """TensorBoard scalars for every numeric field, when tensorboard is installed; else a no-op.
 

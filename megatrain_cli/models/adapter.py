@@ -8,11 +8,12 @@ buffer into their parameter slots.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+
+from megatrain_cli.store.tiles import ParamSpec
 
 # Architectures whose decoder layers follow the same contract: layer(hidden, attention_mask=,
 # position_ids=, position_embeddings=(cos, sin)) -> hidden; model.model.{embed_tokens, layers, norm,
@@ -31,24 +32,6 @@ def check_architecture(config: Any) -> str:
         raise UnsupportedArchitecture(
             f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
-
-
-@dataclass
-class ParamSpec:
-    name: str  # name inside its piece, e.g. 'self_attn.q_proj.weight'
-    shape: tuple[int, ...]
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def decays(self) -> bool:
-        """Weight decay goes to matrices only (as HF Trainer does): not to norms or biases."""
-        return len(self.shape) >= 2
 
 
 class ModelAdapter:

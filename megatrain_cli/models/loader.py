@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from megatrain_cli.models.adapter import ModelAdapter
-from megatrain_cli.store.tiles import HostStore
+from megatrain_cli.store.sharded import ShardedHostStore
+from megatrain_cli.store.tiles import HostStore, allocate_tile
 
 
 class ModelLoadError(ValueError):
@@ -124,5 +125,24 @@ def build_store(config, compute_dtype: torch.dtype, *, weights_path: str | Path 
         load_weights(store, weights_path)
     else:
         random_init(store, seed)
+    store.zero_state()
+    return store
+
+
+def build_sharded_store(config, compute_dtype: torch.dtype, rank: int, world: int, *,
+                        weights_path=None, seed: int = 0, cpu_group=None) -> ShardedHostStore:
+    """build_store for one rank: safetensors tensor by tensor (each rank keeps its part), or the
+    same random init as one process (each tile is drawn whole, one at a time, and sliced), so a sharded
+    run starts from exactly the weights of a single-process run with the same seed."""
+    store = ShardedHostStore(ModelAdapter(config), compute_dtype, rank, world, cpu_group=cpu_group)
+    if weights_path is not None:
+        load_weights(store, weights_path)
+    else:
+        for i, (name, layout) in enumerate(store.layouts.items()):  # one whole tile at a time
+            whole = allocate_tile(name, layout, compute_dtype)
+            random_init_tile(whole, store.adapter.init_std(), seed, i)
+            spec = store.shards[name]
+            store.tiles[name].master[:spec.valid].copy_(whole.master[spec.start:spec.start + spec.valid])
+            del whole
     store.zero_state()
     return store

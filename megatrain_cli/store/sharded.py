@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import (HostStore, LayoutQueries, Slot, Tile, TileLayout, allocate_tile,
                                       tile_bytes)
 
@@ -80,7 +79,7 @@ def shard_spec(layout: TileLayout, rank: int, world: int, unit: int = SHARD_ALIG
 class ShardedHostStore(LayoutQueries):
     """This rank's 1/N of every tile, with the whole tiles' layouts; the interface the engine uses."""
 
-    def __init__(self, adapter: ModelAdapter, compute_dtype: torch.dtype, rank: int, world: int, *,
+    def __init__(self, adapter, compute_dtype: torch.dtype, rank: int, world: int, *,
                  cpu_group=None, allocate: bool = True):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in 0..{world - 1}")
@@ -161,24 +160,3 @@ class ShardedHostStore(LayoutQueries):
             for slot in layout.slots:
                 out[self.adapter.hf_name(tname, slot.name)] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
         return out
-
-
-def build_sharded_store(config, compute_dtype: torch.dtype, rank: int, world: int, *,
-                        weights_path=None, seed: int = 0, cpu_group=None) -> ShardedHostStore:
-    """loader.build_store for one rank: safetensors tensor by tensor (each rank keeps its part), or the
-    same random init as one process (each tile is drawn whole, one at a time, and sliced), so a sharded
-    run starts from exactly the weights of a single-process run with the same seed."""
-    from megatrain_cli.models import loader
-
-    store = ShardedHostStore(ModelAdapter(config), compute_dtype, rank, world, cpu_group=cpu_group)
-    if weights_path is not None:
-        loader.load_weights(store, weights_path)
-    else:
-        for i, (name, layout) in enumerate(store.layouts.items()):  # one whole tile at a time
-            whole = allocate_tile(name, layout, compute_dtype)
-            loader.random_init_tile(whole, store.adapter.init_std(), seed, i)
-            spec = store.shards[name]
-            store.tiles[name].master[:spec.valid].copy_(whole.master[spec.start:spec.start + spec.valid])
-            del whole
-    store.zero_state()
-    return store

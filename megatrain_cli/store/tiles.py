@@ -15,13 +15,47 @@ leading range.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
-from megatrain_cli.models.adapter import ModelAdapter, ParamSpec
 
 ALIGN = 4096
 MASTER_DTYPE = torch.float32
+
+
+@dataclass
+class ParamSpec:
+    name: str  # name inside its piece, e.g. 'self_attn.q_proj.weight'
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def decays(self) -> bool:
+        """Weight decay goes to matrices only (as HF Trainer does): not to norms or biases."""
+        return len(self.shape) >= 2
+
+
+class ModelParts(Protocol):
+    """What the store needs to know of a model (models/adapter.ModelAdapter is one): the parameters of
+    each piece and their Hugging Face names. The store never imports the model code."""
+
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    tied: bool
+    config: Any
+
+    def embed_specs(self) -> list[ParamSpec]: ...
+    def layer_specs(self, index: int) -> list[ParamSpec]: ...
+    def head_specs(self) -> list[ParamSpec]: ...
+    def hf_name(self, tile: str, name: str) -> str: ...
 
 
 def _round_up(n: int, to: int) -> int:
@@ -107,7 +141,7 @@ def allocate_tile(name: str, layout: TileLayout, grad_dtype: torch.dtype) -> Til
 class LayoutQueries:
     """What a store does from its layouts and tiles alone (shared by HostStore and the sharded store)."""
 
-    adapter: ModelAdapter
+    adapter: ModelParts
     layouts: dict[str, TileLayout]
     tiles: dict[str, Tile]
 
@@ -139,7 +173,7 @@ class LayoutQueries:
 class HostStore(LayoutQueries):
     """All tiles of one model, in streaming order: embed, layers.0 .. layers.L-1, head."""
 
-    def __init__(self, adapter: ModelAdapter, compute_dtype: torch.dtype, allocate: bool = True):
+    def __init__(self, adapter: ModelParts, compute_dtype: torch.dtype, allocate: bool = True):
         self.adapter = adapter
         self.compute_dtype = compute_dtype
         self.layouts: dict[str, TileLayout] = {"embed": TileLayout.from_specs(adapter.embed_specs())}

@@ -1,24 +1,11 @@
-"""The activation plan for one long sequence (issue #9); the offloader it drives is engine/offload.py.
+"""The lean plan: how a step fits the device when the short-context plan (memory.py) would not.
+
+Used for long sequences (the long-context path) and, as `plan_memory_lean`, for any step shape that does
+not fit (the memory-lean path). The offloader it drives is engine/transfer/offload.py.
 
 `plan_long_context` is pure arithmetic over the model shape: it picks the checkpoint interval, the
 MLP tile, the loss chunk and how many layer checkpoints go to pinned host memory, and predicts the
 device peak term by term for each phase of the step. Nothing is allocated; it runs on the CPU.
-
-Where the bytes are, per token, for one recomputed layer (counted from what autograd saves for the
-HF decoder layer with SDPA; test_tiling.py measures the saved tensors of a real layer against it):
-
-    layer input (the checkpoint, now a leaf)     w*H
-    input RMSNorm (HF)                           4*H fp32 upcast + w*H normalised + 4 (1/rms)
-    q/k/v projections' input                     w*H
-    q, k, v after rotary (SDPA's inputs)         w*(q + 2*kv)
-    SDPA output (= o_proj input), logsumexp      w*q + 4*heads
-    post-attention RMSNorm, MLP input            same as the input norm, w*H
-    MLP intermediates                            4*w*I untiled (gate, act, up, product); 0 tiled
-    layer output (held by the engine)            w*H
-
-`w` is the compute dtype's width. For Qwen2.5-7B in bf16 that is 95 KB per token: 50 GB at 512K with
-the MLP tiled (the untiled MLP would add 152 KB/token, 79 GB). A checkpoint is w*H = 7 KB/token,
-3.76 GB at 512K, 28 of them 105 GB: at long context they, not the layer, decide what fits.
 
 Checkpoint interval is always 1: a block of k layers costs L/k checkpoints plus k layer graphs, and a
 layer graph is ~13 checkpoints, so one layer per block is the least memory for any L (and it streams
@@ -37,98 +24,14 @@ from typing import Any
 
 import torch
 
+from megatrain_cli.engine.plan.lean_terms import ModelShape, device_terms
+
 GiB = 2**30
 
 
 def fmt_bytes(n: int) -> str:
     """'22.57 GiB', or MiB below a tenth of a GiB (the tiny models of the tests)."""
     return f"{n / GiB:.2f} GiB" if n >= GiB / 10 or n == 0 else f"{n / 2**20:.2f} MiB"
-
-
-# ---------------------------------------------------------------------------------------------- shape
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    qk_norm: bool  # Qwen3: RMSNorm over each head's q and k
-    layer_numel: int  # parameters of the largest decoder layer (one weight slot)
-
-    @property
-    def q_dim(self) -> int:
-        return self.heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.kv_heads * self.head_dim
-
-    @classmethod
-    def of(cls, model: Any) -> "ModelShape":
-        """From a ModelAdapter (exact layer size from its parameter specs) or an HF config."""
-        config = getattr(model, "config", model)
-        h, heads = int(config.hidden_size), int(config.num_attention_heads)
-        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = int(getattr(config, "head_dim", None) or h // heads)
-        inter = int(config.intermediate_size)
-        qk_norm = getattr(config, "model_type", "") == "qwen3"
-        if hasattr(model, "layer_specs"):
-            numel = max(sum(s.numel for s in model.layer_specs(i)) for i in range(model.num_layers))
-        else:
-            q, kv = heads * head_dim, kv_heads * head_dim
-            qkv_bias = getattr(config, "model_type", "") == "qwen2" or bool(getattr(config, "attention_bias", False))
-            o_bias = getattr(config, "model_type", "") != "qwen2" and bool(getattr(config, "attention_bias", False))
-            mlp_bias = bool(getattr(config, "mlp_bias", False))
-            numel = (h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
-                     + (q + 2 * kv) * qkv_bias + h * o_bias + (2 * inter + h) * mlp_bias
-                     + 2 * head_dim * qk_norm)
-        return cls(int(config.num_hidden_layers), h, inter, heads, kv_heads, head_dim, int(config.vocab_size),
-                   bool(getattr(config, "tie_word_embeddings", False)), qk_norm, numel)
-
-
-def _norm_saved(h: int, width: int, lean: bool, input_saved_elsewhere: bool) -> int:
-    """Bytes per row an RMSNorm of width h keeps for backward (its output is counted by its reader)."""
-    rstd = 4
-    if lean:
-        return rstd + (0 if input_saved_elsewhere else width * h)
-    # HF: pow and the x*rstd product keep the fp32 upcast (the input itself when it already is fp32),
-    # the weight product keeps the normalised tensor cast back to the input dtype.
-    upcast = 0 if (width == 4 and input_saved_elsewhere) else 4 * h
-    return upcast + width * h + rstd
-
-
-def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_tiled: bool, lean_norms: bool
-                      ) -> dict[str, int]:
-    """What autograd keeps for one recomputed decoder layer over `tokens` tokens, by term."""
-    s, w = shape, width
-    per_token = {
-        "layer input (the checkpoint, now a leaf)": w * s.hidden,
-        "input RMSNorm": _norm_saved(s.hidden, w, lean_norms, input_saved_elsewhere=True),
-        "q/k/v projections' input": w * s.hidden,
-        "q, k, v after rotary (SDPA inputs)": w * (s.q_dim + 2 * s.kv_dim),
-        "SDPA output + logsumexp": w * s.q_dim + 4 * s.heads,
-        "post-attention RMSNorm": _norm_saved(s.hidden, w, lean_norms, input_saved_elsewhere=False),
-        "MLP input": w * s.hidden,
-        "MLP intermediates": 0 if mlp_tiled else 4 * w * s.intermediate,
-        "layer output": w * s.hidden,
-    }
-    if s.qk_norm:  # q_norm / k_norm read the projections' outputs, which nothing else keeps
-        per_token["q/k RMSNorms"] = (_norm_saved(s.head_dim, w, lean_norms, False) * (s.heads + s.kv_heads))
-    return {k: v * tokens for k, v in per_token.items()}
-
-
-# ---------------------------------------------------------------------------------------------- plan
-
-# Terms of the attention half: what is still alive while SDPA's backward runs (the MLP half is freed).
-_ATTENTION_HALF = ("layer input (the checkpoint, now a leaf)", "input RMSNorm", "q/k/v projections' input",
-                   "q, k, v after rotary (SDPA inputs)", "SDPA output + logsumexp", "layer output",
-                   "q/k RMSNorms")
 
 
 @dataclass
@@ -353,7 +256,7 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget
         plan = LongContextPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_tile_tokens if tiled else None,
                                chunk, lean_norms, shape.layers, offloaded, tokens * shape.hidden * w,
                                host_budget=host_budget_bytes, grad_accum=grad_accum)
-        plan.fixed, plan.phases = _terms(shape, plan, w, layer_slots, reserve_bytes)
+        plan.fixed, plan.phases = device_terms(shape, plan, w, layer_slots, reserve_bytes)
         return plan
 
     def with_offload(tiled: bool, chunk: int) -> LongContextPlan:
@@ -391,78 +294,6 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget
     while plan.peak_phase.startswith("head") and plan.predicted_peak > usable and plan.loss_chunk_tokens > 512:
         plan = build(plan.mlp_tile_tokens is not None, plan.loss_chunk_tokens // 2, plan.offloaded_checkpoints)
     return plan
-
-
-def _terms(s: ModelShape, plan: LongContextPlan, w: int, layer_slots: int, reserve_bytes: int
-           ) -> tuple[dict, dict]:
-    T, t, H, V, U = plan.tokens, plan.micro_tokens, s.hidden, s.vocab, plan.checkpoint_bytes
-    on_device = s.layers - plan.offloaded_checkpoints
-    staging = U if plan.offloaded_checkpoints else 0  # the put in flight, or the prefetched next one
-    fixed = {
-        f"layer weight slots ({layer_slots} x {s.layer_numel / 1e6:.0f} M params)": layer_slots * s.layer_numel * w,
-        "head weights (final norm" + (")" if s.tied else " + LM head)"): (H + (0 if s.tied else V * H)) * w,
-        "embedding table (tied: the LM head)": V * H * w if s.tied else 0,
-        "embedding rows of the batch": min(V, T) * H * w,
-        "per-token ids, labels, positions, rotary cos/sin": T * (3 * 8 + 2 * s.head_dim * w),
-        "CUDA context + cuBLAS/cuDNN workspaces (reserve)": reserve_bytes,
-        "checkpoint offload staging (one in flight)": staging,
-    }
-    many = plan.grad_accum > 1
-    phases = {}
-    mlp_rows = min(plan.mlp_tile_tokens, t) if plan.mlp_tile_tokens else t
-    phases["forward (no autograd)"] = {
-        "checkpoints on the device": on_device * U,
-        # The layer's outputs for every micro-batch, and one micro-batch's temporaries: the larger of the
-        # HF RMSNorm (fp32 upcast + fp32 normalised + the cast back; the lean one works in row chunks), the
-        # rotary step (normed, q, q*cos, rotate_half(q), q_embed) and the MLP (act, up, their product; per
-        # tile when tiled), plus k and v.
-        "layer outputs" + (" (every micro-batch)" if many else ""): T * w * H,
-        "one layer's temporaries" + (" (one micro-batch)" if many else ""): (
-            max(t * (2 * w * H if plan.lean_norms else (8 + w) * H), t * 5 * w * H, 3 * w * s.intermediate * mlp_rows)
-            + t * 2 * w * s.kv_dim),
-    }
-    head_norm_kept = _norm_saved(H, w, plan.lean_norms, input_saved_elsewhere=True)
-    head = {"checkpoints on the device": on_device * U,
-            # The final hidden states of every micro-batch stay until the step's end; the gradients of the
-            # micro-batches done so far wait for the last layer's backward.
-            "final hidden" + (" (every micro-batch) + the earlier micro-batches' gradients" if many else ""):
-                T * w * H + (T - t) * w * H,
-            "its norm's saved tensors, normed, d_normed" + (" (one micro-batch)" if many else ""):
-                t * (2 * w * H + head_norm_kept)}
-    head.update({
-        # Not at once: the chunk loop (logits w + fp32 log-softmax kept 4 + its fp32 gradients in and
-        # out 4 + 4), then the final norm's backward (its gradient + HF's two fp32 temporaries).
-        "loss chunk logits + fp32 log-softmax + grads, or norm backward": max(
-            plan.loss_chunk_tokens * V * (w + 12), t * (w * H + (0 if plan.lean_norms else 8 * H))),
-        "LM head gradient (fp32 + head accumulator)": V * H * (4 + w if s.tied else 8),
-    })
-    phases["head (final norm + chunked loss)"] = head
-    # Backward starts at the last layer: every other device checkpoint still waits for its turn.
-    backward = {"checkpoints on the device": max(0, on_device - 1) * U,
-                "layer gradient (fp32 accumulator + autograd's + cast)": s.layer_numel * (4 + 2 * w),
-                "tied LM-head gradient (fp32, until the embedding backward)": V * H * 4 if s.tied else 0}
-    # Recorded for every micro-batch before the layer's backward (the engine's _record_layer).
-    saved = layer_saved_bytes(s, T, w, mlp_tiled=plan.mlp_tile_tokens is not None, lean_norms=plan.lean_norms)
-    grads = 2 * T * H * w  # the incoming gradients (the engine keeps them) + the residual stream's gradients
-    # PyTorch's FlashAttention-2 backward: dq, dk, dv, an fp32 dq accumulator, and with GQA dk/dv
-    # expanded to every query head before they are summed per group. cuDNN is taken to be no larger.
-    # The backward runs one micro-batch at a time.
-    gqa = s.kv_heads != s.heads
-    sdpa_bwd = t * (w * s.q_dim + 2 * w * s.kv_dim + 4 * s.q_dim + (2 * w * s.q_dim if gqa else 0) + 4 * s.heads)
-    phases["layer backward, attention half"] = {
-        **backward, **{k: v for k, v in saved.items() if k in _ATTENTION_HALF},
-        "gradients in flight (output, residual, attention output)": grads + t * w * s.q_dim,
-        "SDPA backward (flash-2 dq/dk/dv, fp32 dq accum" + (", GQA dk/dv expanded)" if gqa else ")"): sdpa_bwd,
-    }
-    if plan.mlp_tile_tokens:
-        mlp_work = (8 * min(plan.mlp_tile_tokens, t) * s.intermediate * w  # a tile's gate/act/up/product + grads
-                    + 3 * H * s.intermediate * (4 + w))  # fp32 weight-gradient accumulators + a tile's partials
-        mlp_name = f"MLP backward: one {plan.mlp_tile_tokens}-token tile + fp32 weight accumulators"
-    else:
-        mlp_work, mlp_name = 3 * t * s.intermediate * w, "MLP backward temporaries (untiled)"
-    phases["layer backward, MLP half"] = {**backward, **saved, "gradients in flight (output, MLP input)": grads,
-                                          mlp_name: mlp_work}
-    return fixed, phases
 
 
 def _add_notes(plan: LongContextPlan) -> None:

@@ -1,0 +1,158 @@
+"""The one planner: from a recipe and a model shape to how a step runs and whether it fits.
+
+`plan_step` is what `train`, `train --dry-run` and `bench` ask. It chooses the engine's path:
+
+    short-context   the memory plan (memory.py): checkpoint interval and kept blocks from the recipe;
+    long-context    train.seq_len >= engine.long_context_min_seq: the lean plan (lean.py), interval 1,
+                    the MLP chunked over the sequence, checkpoints offloaded to pinned host memory;
+    memory-lean     the short-context plan does not fit the device budget and engine.memory_fallback:
+                    the lean machinery at any length (lean.plan_memory_lean);
+
+and lists every problem that would make the run fail for memory (`problems`, each saying what to
+change). Pure arithmetic over the shape plus a read of /proc/meminfo: nothing is allocated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatrain_cli.batch import MAX_LONG_CONTEXT_MASK
+from megatrain_cli.engine.plan.lean import LongContextPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
+from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
+                                              resolve_keep_blocks)
+from megatrain_cli.engine.schedule import blocks
+from megatrain_cli.recipe import Recipe, parse_bytes
+from megatrain_cli.store.tiles import HostStore
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class StepPlan:
+    """How a step runs: `memory` holds the host figures (and the device figures of the short-context path);
+    `lean`, when set, replaces the device figures; `problems` is empty when the run fits."""
+
+    memory: MemoryPlan
+    checkpoint_interval: int
+    loss_chunk_tokens: int
+    keep_blocks: frozenset = frozenset()
+    lean: LongContextPlan | None = None
+    path: str = ""
+    problems: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def render(self) -> str:
+        """The memory plan, the path line and the lean plan (what `--dry-run` prints)."""
+        lines = [self.memory.render(), self.path]
+        if self.lean is not None:
+            lines.append(self.lean.render())
+            if not self.lean.fits:
+                lines.append(f"would not fit: {refusal(self.lean)} (--force runs it anyway)")
+        return "\n".join(lines)
+
+
+def device_budget(r: Recipe, device: torch.device) -> int | None:
+    """The recipe's engine.max_gpu_mem, else what the CUDA device has; None when unknown (CPU, or CUDA
+    planned on a machine without it)."""
+    if r.engine.max_gpu_mem:
+        return parse_bytes(r.engine.max_gpu_mem)
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).total_memory
+    return None
+
+
+def _packed_rows_problem(r: Recipe) -> str:
+    """Packed rows need a [B, 1, T, T] block-causal mask; past MAX_LONG_CONTEXT_MASK elements (one
+    65536-token row) the engine would refuse them at the first step: refuse the recipe instead."""
+    b, t = r.train.micro_batch_size, r.train.seq_len
+    if not (r.data.packing and b * t * t > MAX_LONG_CONTEXT_MASK):
+        return ""
+    rows = f"{b} packed rows" if b > 1 else "a packed row"
+    fix = "data.packing=false (one document per row)" + (", or a smaller train.micro_batch_size"
+                                                         if t * t <= MAX_LONG_CONTEXT_MASK else "")
+    return (f"data.packing with train.seq_len={t}: {rows} of {t} tokens need a block-causal mask of "
+            f"{b * t * t / 2**30:.0f} GiB and keep SDPA off flash/cuDNN; the long-context path takes at most "
+            f"{MAX_LONG_CONTEXT_MASK // 2**30} GiB ({int(MAX_LONG_CONTEXT_MASK ** 0.5)} tokens in one row). Use {fix}")
+
+
+def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = False,
+              budget: int | None = None) -> StepPlan:
+    """The step's plan for `r` on `device` (a dry run may plan for CUDA on a machine without it).
+
+    `store_built`: the host store already exists, so MemAvailable no longer counts its bytes: the host
+    check is skipped and the lean plan's host budget is what is free now. `budget`: device bytes to plan
+    for instead of device_budget(r, device) (e.g. less what NCCL's buffers take). Raises ValueError for a
+    recipe no plan can serve (packed rows too long for the mask)."""
+    t, e = r.train, r.engine
+    dtype = DTYPES[r.model.dtype]
+    budget = device_budget(r, device) if budget is None else budget
+    args = dict(adapter=adapter, compute_dtype=dtype, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
+                grad_accum=t.grad_accum, checkpoint_interval=e.checkpoint_interval, grad_slabs=e.grad_slabs,
+                layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens, device_type=device.type)
+    to_come = 0 if store_built else HostStore(adapter, dtype, allocate=False).host_bytes()
+    lean_args = dict(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, dtype=dtype,
+                     device_type=device.type, device_budget=budget, grad_slabs=e.grad_slabs,
+                     layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens, store_bytes_to_come=to_come)
+    host = [] if store_built else None  # None: checked below
+
+    if e.long_context_min_seq is not None and t.seq_len >= e.long_context_min_seq:
+        problem = _packed_rows_problem(r)
+        if problem:
+            raise ValueError(problem)
+        lean = plan_for_training(adapter, **lean_args, min_seq_len=e.long_context_min_seq)
+        plan = _lean_host_plan(args, lean)
+        path = (f"path: long-context engine (train.seq_len {t.seq_len} >= {e.long_context_min_seq}): checkpoint "
+                f"interval {lean.checkpoint_interval}, {_mlp(lean)}, {lean.offloaded_checkpoints} of "
+                f"{lean.num_checkpoints} checkpoints offloaded to host memory, no kept activations")
+        problems = host_problems(plan) if host is None else host
+        if not lean.fits:
+            problems.append(f"long context: {refusal(lean)}. Use a shorter train.seq_len, a smaller "
+                            f"train.micro_batch_size or train.grad_accum, or a larger engine.max_gpu_mem; "
+                            f"`megatrain train RECIPE --dry-run` shows the plan.")
+        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems)
+
+    keep = resolve_keep_blocks(e.keep_activations, budget, **args)
+    plan = make_plan(**args, keep_blocks=keep)
+    if e.keep_activations == "auto" and budget is None and device.type == "cuda":
+        plan.notes.append("keep_activations 'auto' is decided on the GPU from its memory (0 assumed here)")
+    too_big = device_problem(plan, device=device, device_budget=budget) if budget is not None else ""
+    problems = host_problems(plan) if host is None else host
+    if too_big and e.memory_fallback and not problems and not _packed_rows_problem(r):
+        lean = plan_memory_lean(adapter, **lean_args)
+        short_total = plan.device_total
+        plan = _lean_host_plan(args, lean)
+        path = (f"path: memory-lean engine (the short-context plan needs about {fmt_bytes(short_total)} of the "
+                f"{fmt_bytes(lean.budget)} device budget): {lean.summary()}, no kept activations")
+        if not lean.fits:
+            problems.append(f"device memory: the short-context plan needs about {fmt_bytes(short_total)} of the "
+                            f"{fmt_bytes(lean.budget)} budget, and the memory-lean plan does not fit either: "
+                            f"{refusal(lean)}. Use a smaller train.micro_batch_size, train.grad_accum or "
+                            f"train.seq_len, or a larger engine.max_gpu_mem; `megatrain train RECIPE --dry-run` "
+                            f"shows both plans.")
+        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems)
+    if too_big:
+        problems.append(too_big)
+    threshold = "never" if e.long_context_min_seq is None else e.long_context_min_seq
+    path = (f"path: short-context engine (train.seq_len {t.seq_len} < {threshold}; checkpoint interval "
+            f"{e.checkpoint_interval})")
+    kept = kept_block_ids(len(blocks(adapter.num_layers, e.checkpoint_interval)), keep)
+    return StepPlan(plan, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, path, problems)
+
+
+def _lean_host_plan(args: dict, lean: LongContextPlan) -> MemoryPlan:
+    """The memory plan whose host figures stand on a lean path; its device figures are the short-context
+    engine's, which the lean plan replaces (said in its notes)."""
+    plan = make_plan(**{**args, "checkpoint_interval": lean.checkpoint_interval,
+                        "loss_chunk_tokens": lean.loss_chunk_tokens}, keep_blocks=0)
+    plan.notes.append(f"{lean.label} path: the device figures above are the short-context engine's; the "
+                      f"{lean.label} plan replaces them")
+    return plan
+
+
+def _mlp(lean: LongContextPlan) -> str:
+    return f"MLP tiled by {lean.mlp_tile_tokens}" if lean.mlp_tile_tokens else "MLP untiled"

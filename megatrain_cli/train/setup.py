@@ -1,0 +1,86 @@
+"""The one build path: recipe -> model config -> plan -> host store -> engine. `train` and `bench` both
+build through here, so a setting means the same in both and reaches the engine in one place.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megatrain_cli.engine.plan.step_plan import DTYPES, StepPlan
+from megatrain_cli.recipe import Recipe
+from megatrain_cli.train.errors import TrainingError
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TrainingError("engine.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')", 2)
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def model_config(r: Recipe, tokenizer=None):
+    """The HF config of model.path, or of model.preset (its vocabulary: the preset's, else the tokenizer's)."""
+    from megatrain_cli.models.adapter import check_architecture
+    from megatrain_cli.models.loader import load_hf_config
+    from megatrain_cli.presets import PRESETS
+
+    if r.model.path is not None:
+        config = load_hf_config(r.model.path, r.model.trust_remote_code)
+    else:
+        p = PRESETS[r.model.preset]
+        vocab = p.vocab_size or (len(tokenizer) if tokenizer is not None else 1024)
+        config = p.hf_config(vocab_size=vocab, max_position_embeddings=max(p.max_position_embeddings, r.train.seq_len))
+    check_architecture(config)
+    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+        raise TrainingError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
+                            f"{config.vocab_size}: they do not belong together", 2)
+    return config
+
+
+def build_store(r: Recipe, config, dist=None):
+    """The host store (fp32 masters, moments, gradients; 14 bytes/param with bf16 compute): the model's
+    weights read tensor by tensor, or the preset's seeded random init. `dist`: this rank's 1/N shard."""
+    from megatrain_cli.models.loader import build_sharded_store, build_store as build_whole
+
+    dtype = DTYPES[r.model.dtype]
+    if dist is None:
+        return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed)
+    return build_sharded_store(config, dtype, dist.rank, dist.world, weights_path=r.model.path, seed=r.model.seed,
+                               cpu_group=dist.cpu_group)
+
+
+def lean_allocator(device: torch.device) -> str:
+    """On a lean path, multi-GiB activations of varying size fragment the caching allocator; expandable
+    segments avoid it. Set here unless PYTORCH_CUDA_ALLOC_CONF (torch's own setting) says otherwise.
+    Returns what the allocator runs with."""
+    if device.type != "cuda":
+        return ""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if conf:
+        return conf
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        return "expandable_segments:True"
+    except Exception as err:  # noqa: BLE001 - private API; the run goes on without it
+        return f"default (could not set expandable_segments: {err})"
+
+
+def build_engine(r: Recipe, store, plan: StepPlan, device: torch.device, dist=None):
+    """The engine for `store` as `plan` says (interval, kept blocks, loss chunk, the lean plan) and the
+    recipe's engine settings. The host optimizer runs in its background thread on CUDA only: on the CPU
+    it would compete with the compute for the same cores."""
+    from megatrain_cli.engine.step import Engine
+
+    e = r.engine
+    if dist is not None:
+        dist.overlap = e.overlap_ranks
+    return Engine(store, r.train, device=device, checkpoint_interval=plan.checkpoint_interval,
+                  loss_chunk_tokens=plan.loss_chunk_tokens, keep_blocks=plan.keep_blocks, long_context=plan.lean,
+                  layer_slots=e.layer_slots, grad_slabs=e.grad_slabs, double_buffer=e.double_buffer,
+                  overlap_optimizer=e.overlap_optimizer and device.type == "cuda", speculate=e.speculate_optimizer,
+                  sdpa=e.sdpa, kernels=e.kernels, host_adamw=e.host_adamw, defer_moments=e.defer_moments,
+                  update_on_read=e.update_on_read, packer_threads=e.packer_threads, adamw_threads=e.adamw_threads,
+                  dist=dist)
