@@ -1,4 +1,4 @@
-"""Micro-benchmark of host AdamW: HostAdamW's torch path vs the C++ kernel (optim/host_kernels.py).
+"""Micro-benchmark of host AdamW: HostAdamW's torch path vs the C++ kernel (optim/adamw_cpp.py).
 
 Run:  python scripts/bench_host_adamw.py [--threads 16] [--numel 233000000] [--grad-dtype bf16] [--reps 5]
 
@@ -11,7 +11,7 @@ after one warm-up call, through HostAdamW as the engine calls it:
   weights  update_weights(tile, lr, 1)     cpp only: the weights of an update (deferred moments)
   moments  update_moments(tile, 1)         cpp only: its moments, the pass that runs later
   cast     staging.copy_(master)           the packer's fp32 -> bf16 cast into staging (6 B/param)
-  emit     update_weights_span(..., staging)  cpp only: the read-through update, weights + bf16 cast
+  emit     update_weights_span(..., staging)  cpp only: the update on read, weights + bf16 cast
                                            into staging in one pass (20 B/param), against weights + cast
 Staging is page-locked where CUDA is present (as the packer's), plain memory otherwise.
 The torch and C++ calls alternate within each repetition. G params/s = numel / time; GB/s = the bytes one pass must move (fp32 master, m, v read and written,
@@ -29,7 +29,7 @@ from types import SimpleNamespace
 
 import torch
 
-from megatrain_cli.optim import adamw_cpp as host_kernels
+from megatrain_cli.optim import adamw_cpp
 from megatrain_cli.optim.host_adamw import HostAdamW
 from megatrain_cli.recipe import TrainConfig
 
@@ -73,9 +73,9 @@ def main() -> None:
     bytes_per_param = 24 + grad_dtype.itemsize
 
     t0 = time.perf_counter()
-    host_kernels.load()
+    adamw_cpp.load()
     print(f"C++ kernel loaded in {time.perf_counter() - t0:.1f} s (compile or cache); "
-          f"AVX2 path: {host_kernels.load().uses_avx2()}")
+          f"AVX2 path: {adamw_cpp.load().uses_avx2()}")
     print(f"threads {torch.get_num_threads()}, numel {args.numel:,}, grads {args.grad_dtype}, "
           f"median of {args.reps}, torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}")
 
@@ -99,7 +99,7 @@ def main() -> None:
     for op, s, nbytes in zip(("weights", "moments"), secs, (16 + grad_dtype.itemsize, 16 + grad_dtype.itemsize)):
         rows.append((op, "cpp", s, args.numel / s / 1e9, args.numel * nbytes / s / 1e9, torch_update / s))
     # The forward's work per tile after a clipped step: the worker's weights pass + the packer's cast,
-    # against the read-through update that does both in one pass (optim/worker.py).
+    # against the update on read that does both in one pass (optim/worker.py).
     staging = torch.empty(args.numel, dtype=torch.bfloat16, pin_memory=torch.cuda.is_available())
     secs = timed([lambda: staging.copy_(tile.master),
                   lambda: split.update_weights_span(tile, 1e-4, 1.0, 0, args.numel, staging)], args.reps)
@@ -108,7 +108,7 @@ def main() -> None:
         rows.append((op, "cpp" if op == "emit" else "torch", s, args.numel / s / 1e9, args.numel * nbytes / s / 1e9,
                      torch_update / s))
     print(f"weights pass + cast {weights_s + secs[0]:.3f} s, emit {secs[1]:.3f} s: "
-          f"{(weights_s + secs[0]) / secs[1]:.2f}x for the read-through update")
+          f"{(weights_s + secs[0]) / secs[1]:.2f}x for the update on read")
     print(f"\n| op      | path  | median s | G params/s | GB/s (floor) | speed-up |")
     print(f"|---------|-------|----------|------------|--------------|----------|")
     for op, kernel, s, gps, gbs, speedup in rows:

@@ -68,6 +68,7 @@ def test_rotation_keeps_newest_and_the_one_just_written(tmp_path):
 CHILD = r"""
 import sys, time
 from megatrain_cli import checkpoint
+from megatrain_cli.checkpoint import layout
 from tests.helpers_checkpoint import filled_store
 
 out, kill_at = sys.argv[1], sys.argv[2]
@@ -78,7 +79,7 @@ def stop_here(kind, detail):
         print("READY", flush=True)
         time.sleep(600)
 
-checkpoint._event_hook = stop_here
+layout.event_hook = stop_here
 checkpoint.save_checkpoint(store, out, 2, {"global_step": 2}, keep_last_n=1)
 print("FINISHED", flush=True)
 """
@@ -88,7 +89,7 @@ def test_sigkill_while_writing_keeps_previous_checkpoint(tmp_path):
     before = filled_store(seed=1)
     kill_points = ["tile_written:layers.0", "manifest_written:", "published:"]
     children = []
-    for i, point in enumerate(kill_points):  # children run at once: each costs ~3 s of imports
+    for i, point in enumerate(kill_points):  # children run at once: each pays a fresh interpreter's imports
         out = tmp_path / f"run{i}"
         save_checkpoint(before, out, 1, {"global_step": 1})
         proc = subprocess.Popen([sys.executable, "-c", CHILD, str(out), point], cwd=ROOT, text=True,

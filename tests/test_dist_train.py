@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from megatrain_cli import dist_train
+from megatrain_cli.train import launch as dist_train
 from megatrain_cli.recipe import load_recipe
 from megatrain_cli.train.loop import run_training
 

@@ -1,4 +1,4 @@
-"""The C++ host AdamW kernel (optim/host_kernels.py) against the torch path of HostAdamW.
+"""The C++ host AdamW kernel (optim/adamw_cpp.py) against the torch path of HostAdamW.
 
 update: bit-identical to torch._fused_adamw_ (fp32 gradients) and to widening + torch._fused_adamw_
 (bf16 gradients), weight decay on a leading range, several steps, clip coefficients 1 and 0.3,
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatrain_cli.optim import adamw_cpp as host_kernels
-from megatrain_cli.optim.host_adamw import DEFER_ENV, KERNEL_ENV, HostAdamW
+from megatrain_cli.optim import adamw_cpp
+from megatrain_cli.optim.host_adamw import HostAdamW
 from megatrain_cli.recipe import TrainConfig
 
 CFG = TrainConfig(lr=1e-3, weight_decay=0.1, eps=1e-6)
@@ -28,7 +28,7 @@ SIZES = [(1, 1), (17, 9), (1041, 1024), (3 * 65536 + 1037, 70001), (40000, 0), (
 @pytest.fixture(scope="module", autouse=True)
 def kernel():
     try:
-        return host_kernels.load()
+        return adamw_cpp.load()
     except RuntimeError as e:
         pytest.skip(f"C++ host kernel does not compile here: {e}")
 
@@ -87,7 +87,7 @@ def test_update_matches_torch_called_directly_with_other_hyperparameters():
                             [torch.tensor(float(step))], amsgrad=False, lr=lr, beta1=b1, beta2=b2,
                             weight_decay=wd, eps=eps, maximize=False, grad_scale=torch.tensor(1 / 0.7),
                             found_inf=None)
-        host_kernels.update(cpp_t.master, g, cpp_t.exp_avg, cpp_t.exp_avg_sq, step=step, lr=lr, beta1=b1,
+        adamw_cpp.update(cpp_t.master, g, cpp_t.exp_avg, cpp_t.exp_avg_sq, step=step, lr=lr, beta1=b1,
                             beta2=b2, eps=eps, weight_decay=wd, clip=0.7)
         cpp_t.step = torch_t.step = step
         assert_state_equal(cpp_t, torch_t)
@@ -125,35 +125,29 @@ def test_correct_with_coefficient_one_changes_nothing():
     opt = HostAdamW(CFG, kernel="cpp")
     opt.update(t, LR, 1.0)
     before = clone_tile(t)
-    host_kernels.correct(t.master, t.grad, t.exp_avg, t.exp_avg_sq, step=t.step, lr=LR, beta1=0.9,
+    adamw_cpp.correct(t.master, t.grad, t.exp_avg, t.exp_avg_sq, step=t.step, lr=LR, beta1=0.9,
                          beta2=0.999, eps=1e-6, clip=1.0)
     assert_state_equal(t, before)
 
 
-def test_kernel_choice(monkeypatch):
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
+def test_kernel_choice():
     assert HostAdamW(CFG).kernel == "cpp"  # the default ('auto'): it compiles here
-    monkeypatch.setenv(KERNEL_ENV, "cpp")
-    assert HostAdamW(CFG).kernel == "cpp"
-    monkeypatch.setenv(KERNEL_ENV, "auto")
-    assert HostAdamW(CFG).kernel == "cpp"
-    assert HostAdamW(CFG, kernel="torch").kernel == "torch"  # an explicit argument wins
-    monkeypatch.setenv(KERNEL_ENV, "fast")
+    assert HostAdamW(CFG, kernel="cpp").kernel == "cpp"
+    assert HostAdamW(CFG, kernel="auto").kernel == "cpp"
+    assert HostAdamW(CFG, kernel="torch").kernel == "torch"
     with pytest.raises(ValueError):
-        HostAdamW(CFG)
+        HostAdamW(CFG, kernel="fast")
 
 
-def test_speculative_engine_with_the_cpp_kernel_matches_the_torch_path(monkeypatch):
+def test_speculative_engine_with_the_cpp_kernel_matches_the_torch_path():
     # The optimizer worker thread runs the kernel (its OpenMP team starts from a non-main thread);
     # a clipped step: speculated tiles are corrected by adamw_correct.
     from tests.test_speculation import train
 
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
     _, probe = train(1e9, overlap=False, steps=1)
     max_norm = probe[0].grad_norm * 0.999
     plain, plain_res = train(max_norm, overlap=False, steps=1)
-    monkeypatch.setenv(KERNEL_ENV, "cpp")
-    spec, spec_res = train(max_norm, overlap=True, steps=1)
+    spec, spec_res = train(max_norm, overlap=True, steps=1, host_adamw="cpp")
     assert spec_res[0].speculation["corrected"] >= 1
     assert spec_res[0].losses == plain_res[0].losses
     for name, tile in plain.tiles.items():
@@ -176,7 +170,7 @@ def test_the_kernel_releases_the_gil():
         started.set()
         for _ in range(3):
             t0 = time.perf_counter()
-            host_kernels.correct(t.master, t.grad, t.exp_avg, t.exp_avg_sq, step=1, lr=LR, beta1=0.9,
+            adamw_cpp.correct(t.master, t.grad, t.exp_avg, t.exp_avg_sq, step=1, lr=LR, beta1=0.9,
                                  beta2=0.999, eps=1e-6, clip=0.5)
             span.append((t0, time.perf_counter()))  # Python ticks only inside a call: GIL released
 
@@ -217,12 +211,11 @@ def test_weights_then_moments_is_bit_identical_to_the_update(grad_dtype, clip, n
         assert_state_equal(a, b)
 
 
-def test_the_engine_takes_the_recipes_choice_over_the_environment(monkeypatch):
+def test_the_engine_passes_its_choices_to_host_adamw():
     from megatrain_cli.engine.step import Engine
     from megatrain_cli.models.loader import build_store
     from tests.reference import tiny_config
 
-    monkeypatch.setenv(KERNEL_ENV, "cpp")
     store = build_store(tiny_config("Qwen2ForCausalLM", layers=2), torch.float32, seed=0)
     engine = Engine(store, CFG, device=torch.device("cpu"), host_adamw="torch", overlap_optimizer=True)
     try:
@@ -231,34 +224,31 @@ def test_the_engine_takes_the_recipes_choice_over_the_environment(monkeypatch):
         engine.close()
     engine = Engine(store, CFG, device=torch.device("cpu"), defer_moments=False, overlap_optimizer=True)
     try:
-        assert engine.optimizer.kernel == "cpp" and not engine.optimizer.defer_moments  # the environment's
+        assert engine.optimizer.kernel == "cpp" and not engine.optimizer.defer_moments  # 'auto': it compiles here
     finally:
         engine.close()
 
 
-def test_defer_moments_choice(monkeypatch):
-    monkeypatch.delenv(DEFER_ENV, raising=False)
+def test_defer_moments_choice():
     assert HostAdamW(CFG, kernel="cpp").defer_moments
     assert not HostAdamW(CFG, kernel="torch").defer_moments  # the torch path has no split passes
-    monkeypatch.setenv(DEFER_ENV, "0")
-    assert not HostAdamW(CFG, kernel="cpp").defer_moments
+    assert not HostAdamW(CFG, kernel="cpp", defer_moments=False).defer_moments
     with pytest.raises(RuntimeError):
         HostAdamW(CFG, kernel="torch").update_weights(make_tile(8, 8, torch.float32), LR)
 
 
 @pytest.mark.parametrize("speculate", [False, True])
-def test_engine_with_deferred_moments_is_bit_identical(monkeypatch, speculate):
+def test_engine_with_deferred_moments_is_bit_identical(speculate):
     # Clipped steps defer every update (no speculation after a clipped step), so the moments of step t
     # are written while step t+1 runs, and its gradients land only after them (GradSink.before_write).
     from tests.test_speculation import train
 
-    monkeypatch.setenv(KERNEL_ENV, "cpp")
-    _, probe = train(1e9, overlap=False, steps=1)
+    _, probe = train(1e9, overlap=False, steps=1, host_adamw="cpp")
     max_norm = probe[0].grad_norm * 0.5  # every step clipped
-    monkeypatch.setenv(DEFER_ENV, "0")
-    whole, whole_res = train(max_norm, overlap=True, speculate=speculate, steps=4)
-    monkeypatch.setenv(DEFER_ENV, "1")
-    split, split_res = train(max_norm, overlap=True, speculate=speculate, steps=4)
+    whole, whole_res = train(max_norm, overlap=True, speculate=speculate, steps=4, host_adamw="cpp",
+                             defer_moments=False)
+    split, split_res = train(max_norm, overlap=True, speculate=speculate, steps=4, host_adamw="cpp",
+                             defer_moments=True)
     assert [r.losses for r in split_res] == [r.losses for r in whole_res]
     assert [r.grad_norm for r in split_res] == [r.grad_norm for r in whole_res]
     for name, tile in whole.tiles.items():
@@ -310,8 +300,8 @@ def test_the_bf16_cast_rounds_ties_to_even_as_torch():
 
 
 @pytest.mark.parametrize("speculate,tied", [(False, False), (True, False), (False, True)])
-def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate, tied):
-    """Read-through (optim/worker.py): with bf16 compute the streamer claims each clipped step's deferred
+def test_updates_applied_on_read_are_bit_identical(speculate, tied):
+    """Update on read (optim/worker.py): with bf16 compute the streamer claims each clipped step's deferred
     weight update and applies it as it casts the tile for the next forward; losses, norms and the whole
     state equal the worker's own weights pass + cast bit for bit, and the claims did happen."""
     from megatrain_cli.engine.step import Engine
@@ -319,8 +309,6 @@ def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate, tied)
     from megatrain_cli.optim.host_adamw import lr_at
     from tests.reference import random_batches, tiny_config
 
-    monkeypatch.setenv(KERNEL_ENV, "cpp")
-    monkeypatch.setenv(DEFER_ENV, "1")
     config = tiny_config("Qwen2ForCausalLM", layers=4, tied=tied)
     cfg = TrainConfig(steps=4, lr=1e-3, weight_decay=0.1, max_grad_norm=1e-3, warmup_steps=1, grad_accum=2, eps=1e-6)
     batches = random_batches(config.vocab_size, 4, 2, batch=2, seq=16, seed=5)
@@ -328,7 +316,8 @@ def test_updates_applied_on_read_are_bit_identical(monkeypatch, speculate, tied)
     for on_read in (False, True):
         store = build_store(config, torch.bfloat16, seed=3)
         engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
-                        overlap_optimizer=True, speculate=speculate, update_on_read=on_read)
+                        overlap_optimizer=True, speculate=speculate, host_adamw="cpp", defer_moments=True,
+                        update_on_read=on_read)
         assert engine.update_on_read == on_read
         claimed = []
         if on_read:
@@ -366,7 +355,7 @@ def test_a_claim_waiting_for_the_verdict_gives_way_to_a_wait_that_released_the_u
     store = make_store()
     opt = HostAdamW(CFG, kernel="cpp", defer_moments=True)
     worker = OptimizerWorker(opt, store, forward_order=["embed", *store.layer_names, "head"], max_grad_norm=1e-9)
-    worker.read_through = frozenset(["layers.1"])
+    worker.update_on_read = frozenset(["layers.1"])
     tile = store.tiles["layers.1"]
     tile.grad.normal_(0, 1e-2)
     before = tile.master.clone()

@@ -1,4 +1,4 @@
-"""Thread-count knobs of the engine's host threads (megatrain_cli/host_threads.py)."""
+"""Thread counts of the engine's host threads: machine.limit_this_thread and OptimizerWorker(threads=...)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 import torch
 
-from megatrain_cli.machine import ADAMW_THREADS_ENV, PACKER_THREADS_ENV, limit_this_thread
+from megatrain_cli.machine import limit_this_thread
 from megatrain_cli.optim.host_adamw import HostAdamW
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
@@ -22,16 +22,22 @@ def in_thread(fn):
     return out[0]
 
 
-def test_the_limit_holds_in_its_thread_only(monkeypatch):
+def test_the_limit_holds_in_its_thread_only():
     before = torch.get_num_threads()
-    monkeypatch.setenv(PACKER_THREADS_ENV, "1")
-    assert in_thread(lambda: (limit_this_thread(PACKER_THREADS_ENV), torch.get_num_threads())) == (1, 1)
+    assert in_thread(lambda: (limit_this_thread(1), torch.get_num_threads())) == (None, 1)
     assert torch.get_num_threads() == before
-    monkeypatch.delenv(PACKER_THREADS_ENV)
-    assert in_thread(lambda: limit_this_thread(PACKER_THREADS_ENV)) is None
-    monkeypatch.setenv(PACKER_THREADS_ENV, "many")
-    with pytest.raises(ValueError, match=PACKER_THREADS_ENV):
-        limit_this_thread(PACKER_THREADS_ENV)
+    fresh = in_thread(torch.get_num_threads)  # what a new thread starts with
+    assert in_thread(lambda: (limit_this_thread(None), torch.get_num_threads())) == (None, fresh)  # None: kept
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_bad_limit_raises_naming_it(bad):
+    def attempt():
+        with pytest.raises(ValueError, match=f"got {bad}"):
+            limit_this_thread(bad)
+        return torch.get_num_threads()
+
+    assert in_thread(attempt) == in_thread(torch.get_num_threads)  # and changes nothing
 
 
 class _Recording(HostAdamW):
@@ -40,28 +46,30 @@ class _Recording(HostAdamW):
         tile.step += 1
 
 
-def worker_threads_seen(monkeypatch, value: str):
-    monkeypatch.setenv(ADAMW_THREADS_ENV, value)
+def worker_threads_seen(threads: int | None):
     store = make_store()
     opt = _Recording(TrainConfig(lr=1e-3), kernel="torch")
     worker = OptimizerWorker(opt, store, forward_order=["embed", *store.layer_names, "head"], max_grad_norm=None,
-                             speculate=False)
+                             speculate=False, threads=threads)
     worker.begin_step(1e-3)
     worker.landed("head", 1e-6)
     worker.resolve(1.0, finite=True)
     try:
         worker.wait("head")
     finally:
-        worker._closed = True  # a failed worker cannot drain; let its thread end
-        with worker._cv:
-            worker._cv.notify_all()
+        worker.close()
     return opt.seen
 
 
-def test_the_optimizer_worker_runs_with_its_limit(monkeypatch):
-    assert worker_threads_seen(monkeypatch, "1") == 1
+def test_the_optimizer_worker_runs_with_its_limit():
+    assert worker_threads_seen(1) == 1
 
 
-def test_a_bad_limit_fails_the_first_wait(monkeypatch):
-    with pytest.raises(RuntimeError, match="host AdamW failed"):
-        worker_threads_seen(monkeypatch, "0")
+def test_the_optimizer_worker_without_a_limit_keeps_the_default():
+    assert worker_threads_seen(None) == in_thread(torch.get_num_threads)
+
+
+@pytest.mark.parametrize("bad", [0, -1])
+def test_a_bad_worker_limit_raises_naming_it(bad):
+    with pytest.raises(ValueError, match=f"threads must be >= 1.*got {bad}"):
+        worker_threads_seen(bad)

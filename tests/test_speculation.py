@@ -28,14 +28,15 @@ def snapshot(store):
     return {n: (t.master.clone(), t.exp_avg.clone(), t.exp_avg_sq.clone(), t.step) for n, t in store.tiles.items()}
 
 
-def train(max_grad_norm, *, overlap, speculate=True, steps=STEPS, tied=False, first_step_speculates=True):
+def train(max_grad_norm, *, overlap, speculate=True, steps=STEPS, tied=False, first_step_speculates=True,
+          **engine_kwargs):
     config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=4)
     store = build_store(config, torch.float32, seed=3)
     cfg = TrainConfig(steps=steps, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=1,
                       grad_accum=ACCUM, eps=1e-6)
     batches = random_batches(config.vocab_size, steps, ACCUM, batch=2, seq=16, seed=5)
     engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
-                    overlap_optimizer=overlap, speculate=speculate)
+                    overlap_optimizer=overlap, speculate=speculate, **engine_kwargs)
     if overlap and first_step_speculates:
         engine.worker.last_clipped = False  # as if the step before had not been clipped
     results = [engine.step(mbs, lr_at(s, cfg, steps)) for s, mbs in enumerate(batches)]

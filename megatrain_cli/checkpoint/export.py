@@ -8,6 +8,7 @@ a tensor larger than the limit gets a shard of its own), plus `config.json` with
 The shards are written with our own safetensors writer, tensor by tensor and in chunks: the cast
 to the export dtype costs at most one 64 MiB chunk of temporary memory, and an fp32 export no copy
 at all. Output is deterministic (byte-identical for the same weights) and atomic (temp dir, rename).
+A sharded store (data-parallel ranks) is gathered onto rank 0 first: export_sharded.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from pathlib import Path
 
 import torch
 
-from megatrain_cli.checkpoint.whole import (CheckpointError, fsync_dir, latest_checkpoint, load_tiles,
-                                      publish_dir, safetensors_header, tensor_bytes,
-                                      write_all, write_file_durably)
+from megatrain_cli.checkpoint.format import (CheckpointError, fsync_dir, publish_dir, safetensors_header,
+                                             tensor_bytes, write_all, write_file_durably)
+from megatrain_cli.checkpoint.layout import MANIFEST, latest_checkpoint
+from megatrain_cli.checkpoint.load import load_tiles
 from megatrain_cli.store.tiles import HostStore, Slot
 
 DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
@@ -141,7 +143,7 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
     from megatrain_cli.models.loader import load_hf_config
 
     path = Path(checkpoint_dir)
-    if not (path / "manifest.json").is_file():
+    if not (path / MANIFEST).is_file():
         latest = latest_checkpoint(path)
         if latest is None:
             raise CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one")
@@ -157,3 +159,19 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
                 shutil.copyfile(f, tmp / f.name)
 
     return _export(store, Path(out_dir), dtype, max_shard_bytes, copy_tokenizer)
+
+
+def export_sharded(store, out_dir: str | Path, *, dtype: torch.dtype, tokenizer=None) -> Path | None:
+    """export_hf of a sharded store (a collective): the masters are gathered tile by tile into a whole
+    host store on rank 0 (the model in fp32 on that rank's host, masters only touched), which rank 0
+    exports. Returns the path on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    whole = HostStore(store.adapter, store.compute_dtype) if store.rank == 0 else None
+    for name in store.layouts:
+        full = store.gather_tile(name)
+        if whole is not None:
+            whole.tiles[name].master.copy_(full)
+    path = export_hf(whole, out_dir, dtype=dtype, tokenizer=tokenizer) if whole is not None else None
+    dist.barrier(group=store.cpu_group)
+    return path

@@ -1,20 +1,21 @@
 """Checkpoints of data-parallel ranks (issue #11): written per shard, read back on any number of ranks.
 
-A checkpoint of N ranks (store/sharded.py) keeps checkpoint.py's layout with the tile files per rank,
+A checkpoint of N ranks (store/sharded.py) keeps layout.py's directory with the tile files per rank,
 
     tiles/rank{r}/{name}.safetensors   one flat tensor per section: the rank's shard, padding included
 
 and the manifest records "world": N and "shards": [the tile entries of rank 0, of rank 1, ...] (its
 "tiles" list is empty). Every rank writes its own files into the same temp dir; rank 0 writes the rest
-and the manifest, last, then publishes (checkpoint._seal_and_publish).
+and the manifest, last, then publishes (layout.seal_and_publish).
 
-Reading: on the same N each rank reads its own files whole (checkpoint._read_tile: header and section
+Reading: on the same N each rank reads its own files whole (layout.read_tile: header and section
 checksums). On another N, or in one process (resume, export), each needed element range is gathered
 from the files that hold it, in the tiles' flat coordinates, which do not depend on N: rank r of N holds
 elements [r * shard, (r + 1) * shard) of every section, a one-process file all of them. A source section
-is streamed whole through a 64 MiB buffer so that its checksum is checked too, and only the overlap is
-copied: resharding reads each touched file's sections in full (one rank of M reads up to the whole
-checkpoint; it is the rare path), never holds more than one buffer beside the store.
+is streamed whole through a 64 MiB buffer (CHUNK_BYTES) so that its checksum is checked too, and only the
+overlap is copied: resharding reads each touched file's sections in full (one rank of M reads up to the whole
+checkpoint; it is the rare path), never holds more than one buffer beside the store. Which reader a
+load takes is decided in load.py.
 """
 
 from __future__ import annotations
@@ -27,18 +28,18 @@ from typing import Any
 
 import torch
 
-from megatrain_cli.checkpoint.whole import (CHUNK_BYTES, FORMAT, SECTIONS, CheckpointError, _event, _model_summary,
-                                      _read_tile, _seal_and_publish, _write_side_files, _write_tile, fsync_dir,
-                                      read_safetensors_header, tensor_bytes)
+from megatrain_cli.checkpoint.format import (CHUNK_BYTES, CheckpointError, fsync_dir, read_safetensors_header,
+                                             tensor_bytes)
+from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, VERSION, event, model_summary, read_tile,
+                                             seal_and_publish, write_side_files, write_tile)
 
 
 def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_state: dict,
                             keep_last_n: int = 2, *, tokenizer=None) -> Path:
-    """checkpoint.save_checkpoint for one rank of a ShardedHostStore; a collective (every rank calls it,
-    on a file system all ranks share)."""
+    """whole.save_checkpoint for one rank of a ShardedHostStore; a collective (every rank calls it, on a
+    file system all ranks share): two barriers and an all-gather of the tile entries; each rank pays an
+    fsync per tile file it writes."""
     import torch.distributed as dist
-
-    from megatrain_cli.checkpoint.whole import VERSION
 
     output_dir = Path(output_dir)
     rank, world, group = store.rank, store.world, store.cpu_group
@@ -57,17 +58,17 @@ def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_st
     tiles = []
     for name, tile in store.tiles.items():
         rel = f"tiles/rank{rank}/{name}.safetensors"
-        tiles.append({"name": name, "file": rel, "shard": store.shards[name].shard, **_write_tile(tile, tmp / rel)})
-        _event("tile_written", name)
+        tiles.append({"name": name, "file": rel, "shard": store.shards[name].shard, **write_tile(tile, tmp / rel)})
+        event("tile_written", name)
     fsync_dir(mine)
     shards: list = [None] * world
     dist.all_gather_object(shards, tiles, group=group)
     if rank == 0:
         fsync_dir(tmp / "tiles")
-        files = _write_side_files(tmp, store, state_bytes, tokenizer)
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": _model_summary(store),
+        files = write_side_files(tmp, store, state_bytes, tokenizer)
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
                     "world": world, "tiles": [], "shards": shards, "files": files}
-        _seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
+        seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
     dist.barrier(group=group)
     return final
 
@@ -81,7 +82,7 @@ def load_rank(store, path: Path, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"{path}: its shards do not match this run's (same model, same ranks: "
                                   f"written by another version?)")
         for entry in entries:
-            _read_tile(store.tiles[entry["name"]], path / entry["file"], entry, SECTIONS)
+            read_tile(store.tiles[entry["name"]], path / entry["file"], entry, SECTIONS)
             store.tiles[entry["name"]].step = int(entry["step"])
         return
     load_resharded(store, path, manifest, SECTIONS)
@@ -111,9 +112,9 @@ def load_resharded(store, path: Path, manifest: dict[str, Any], sections: tuple[
 
 
 def _check_model(store, path: Path, manifest: dict[str, Any]) -> None:
-    if manifest.get("model") != _model_summary(store):
+    if manifest.get("model") != model_summary(store):
         raise CheckpointError(f"{path} was written for another model: checkpoint model {manifest.get('model')}, "
-                              f"this model {_model_summary(store)}")
+                              f"this model {model_summary(store)}")
 
 
 def _sources(store, manifest: dict[str, Any]) -> dict[str, list[tuple[dict, int, int]]]:

@@ -59,7 +59,7 @@ class Engine:
 
     `update_on_read` (one process, host casts, bf16 compute, the C++ kernel with deferred moments): a clipped
     step's weight updates are applied by the packer as the next forward streams each tile, the new weights
-    cast into pinned staging from registers (optim/worker.py: read-through); off: the worker updates, the
+    cast into pinned staging from registers (optim/worker.py: update on read); off: the worker updates, the
     packer casts. Bit-identical either way.
 
     `dist` (a DistContext, issue #11) makes this engine one data-parallel rank: `store` is this rank's
@@ -114,11 +114,11 @@ class Engine:
             self.sink.on_landed = self.worker.landed  # AdamW starts on a tile as soon as its gradient lands
             self.sink.before_write = self.worker.wait_state  # deferred moments read the old gradient
             # A clipped step's weights are updated by the packer as the next forward streams them (optim/
-            # worker.py: read-through): the host-cast streamers of one process, bf16 compute, C++ kernel.
+            # worker.py: update on read): the host-cast streamers of one process, bf16 compute, C++ kernel.
             self.update_on_read = (update_on_read and self.optimizer.defer_moments and self.dtype == torch.bfloat16
                                    and dist is None)
             if self.update_on_read:
-                self.worker.read_through = frozenset([*store.layer_names, "head"])
+                self.worker.update_on_read = frozenset([*store.layer_names, "head"])
                 self.streamer.claim = self.worker.claim
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass

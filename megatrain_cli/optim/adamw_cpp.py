@@ -1,4 +1,4 @@
-"""A C++ (OpenMP) host AdamW kernel, compiled at first use (torch.utils.cpp_extension.load_inline).
+"""A C++ (OpenMP) host AdamW kernel, adamw_cpp.cpp, compiled at first use (torch.utils.cpp_extension.load).
 
 Entry points over contiguous flat sections of a tile, each ONE pass over the state:
 
@@ -27,21 +27,21 @@ Entry points over contiguous flat sections of a tile, each ONE pass over the sta
                  (round to nearest even, as torch's cast) into a second buffer: the packer applies a
                  clipped step's update as it reads the tile and writes the result straight into pinned
                  staging (reads p, m, v, g; writes p and 2 bytes of bf16: 20 bytes/param against 18 for
-                 the weights pass plus 6 for the packer's separate cast; optim/worker.py: read-through).
+                 the weights pass plus 6 for the packer's separate cast; optim/worker.py: update on read).
 
 Vector code: AVX2 + FMA, chosen at run time (__builtin_cpu_supports) through per-function target
 attributes, so the cached build never assumes the CPU it was built on (no -march=native); other
 CPUs run the same math in scalar C++. -ffp-contract=off keeps the compiler from fusing multiplies
 and adds by itself; the FMAs are explicit, where torch's build has them: the lerp of m (torch's
 vec::fmadd), and the v update, which torch's compiler contracts as fma(c2*g, g, v*b2) in its vector
-loop and as fma(v, b2, c2*g*g) in its scalar tail (the last numel % 8 elements; measured on the
-torch 2.13.0+cpu and 2.14.1+cu130 wheels, AVX512 and AVX2 kernels alike). Bit-identity with torch
+loop and as fma(v, b2, c2*g*g) in its scalar tail (the last numel % 8 elements; so the torch
+2.13.0+cpu and 2.14.1+cu130 wheels do, AVX512 and AVX2 kernels alike). Bit-identity with torch
 therefore depends on how torch's binary was compiled: tests/test_host_kernels.py checks it on the
 installed torch. (torch's DEFAULT-capability kernel, for CPUs without AVX2, has no FMAs: there the
 two differ by an ulp or so.) Threads: at::parallel_for over cache-line-aligned
 blocks, i.e. torch's own OpenMP pool and thread count (at::get_num_threads(), also right from a
 worker thread). The extension links torch's bundled libgomp where there is one, so the process
-keeps a single OpenMP runtime. Both entry points release the GIL while they run, as torch's ops do
+keeps a single OpenMP runtime. Every entry point releases the GIL while it runs, as torch's ops do
 (the optimizer worker thread must not stall the training thread).
 """
 
@@ -54,312 +54,7 @@ import time
 
 import torch
 
-_SOURCE = r"""
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <immintrin.h>
-
-namespace {
-
-constexpr int64_t kUnit = 1024;       // elements per parallel unit (4 KiB of fp32, 64-byte aligned)
-constexpr int64_t kGrainUnits = 64;   // at least 64K elements per thread
-
-struct Consts {
-  float beta2, w1, w1m1, c2, bc2s, eps, neg_step, decay, scale;
-  bool small_lerp, wd, scaled;
-};
-
-Consts make_consts(double step, double lr, double beta1, double beta2, double eps,
-                   double weight_decay, double clip) {
-  // As torch's FusedAdamKernel.cpp: scalars in double, rounded to fp32 where they enter the math.
-  Consts k;
-  const double bc1 = 1 - std::pow(beta1, step);
-  const double bc2 = 1 - std::pow(beta2, step);
-  const double step_size = lr / bc1;
-  k.beta2 = float(beta2);
-  k.w1 = float(1 - beta1);
-  k.w1m1 = k.w1 - 1.0f;
-  k.c2 = float(1 - beta2);
-  k.bc2s = float(std::sqrt(bc2));
-  k.eps = float(eps);
-  k.neg_step = float(-step_size);
-  k.decay = float(1 - lr * weight_decay);
-  k.wd = weight_decay != 0.0;
-  k.small_lerp = std::abs(k.w1) < 0.5f;
-  k.scaled = clip != 1.0;
-  k.scale = float(1.0 / clip);  // torch's grad_scale tensor is fp32(1 / clip); the grad is divided by it
-  return k;
-}
-
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-template <typename G> inline float load_g(const G* g, int64_t i);
-template <> inline float load_g<float>(const float* g, int64_t i) { return g[i]; }
-template <> inline float load_g<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
-
-// fp32 -> bf16, round to nearest even, as torch's CPU cast (copy_) stores it: its vectorised
-// conversion, which also covers the tails, writes a NaN as 0xFFFF (c10::BFloat16's scalar one would
-// write 0x7FC0).
-inline uint16_t float_to_bf16(float f) {
-  if (std::isnan(f)) return 0xFFFF;
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// ---------------------------------------------------------------- scalar (any CPU; also the tails)
-// kTail: the formula of torch's scalar tail (the last numel % 8 elements of a call), whose build
-// contracts the v update differently from its vector loop.
-// What an update pass stores: everything (kFull), the weight only (kWeights), the moments only (kMoments).
-enum Mode { kFull = 0, kWeights = 1, kMoments = 2 };
-
-// `out` (kWeights only; nullptr: none): the new weights' bf16 cast is stored there too.
-template <int kMode = kFull, bool kTail = false, typename G>
-inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k,
-                          uint16_t* out = nullptr) {
-  for (int64_t i = 0; i < n; ++i) {
-    float g = load_g(gp, i);
-    if (k.scaled) g = g / k.scale;
-    float mv = m[i];
-    mv = k.small_lerp ? std::fma(k.w1, g - mv, mv) : std::fma(k.w1m1, g - mv, g);
-    // torch's build contracts these (the vector loop's and the tail's differently) to FMAs
-    float vv = kTail ? std::fma(v[i], k.beta2, (k.c2 * g) * g) : std::fma(k.c2 * g, g, v[i] * k.beta2);
-    if constexpr (kMode != kWeights) {
-      m[i] = mv;
-      v[i] = vv;
-    }
-    if constexpr (kMode != kMoments) {
-      float pv = p[i];
-      if (k.wd) pv = pv * k.decay;
-      float d = std::sqrt(vv) / k.bc2s + k.eps;
-      p[i] = pv + (k.neg_step * mv) / d;
-      if (kMode == kWeights && out != nullptr) out[i] = float_to_bf16(p[i]);
-    }
-  }
-}
-
-template <typename G>
-inline void correct_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k) {
-  for (int64_t i = 0; i < n; ++i) {
-    float g = load_g(gp, i);
-    float gc = g / k.scale;
-    float m1 = m[i], v1 = v[i];
-    float a1 = (k.neg_step * m1) / (std::sqrt(v1) / k.bc2s + k.eps);  // the step update(1) took
-    float mc = std::fma(k.w1, gc - g, m1);
-    float vc = std::fma(k.c2, (gc - g) * (gc + g), v1);
-    vc = vc < 0.0f ? 0.0f : vc;
-    float ac = (k.neg_step * mc) / (std::sqrt(vc) / k.bc2s + k.eps);  // the step update(c) takes
-    m[i] = mc;
-    v[i] = vc;
-    p[i] = (p[i] - a1) + ac;  // p[i] - a1 recovers the decayed weight, mostly exactly
-  }
-}
-
-// ---------------------------------------------------------------- AVX2 + FMA
-__attribute__((target("avx2,fma"))) inline __m256 load8(const float* g) { return _mm256_loadu_ps(g); }
-__attribute__((target("avx2,fma"))) inline __m256 load8(const uint16_t* g) {
-  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-// 8 fp32 -> 8 bf16 (round to nearest even; a NaN becomes 0xFFFF, as float_to_bf16).
-__attribute__((target("avx2,fma"))) inline void store_bf16x8(uint16_t* out, __m256 x) {
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), nan);
-  // values fit 16 bits: the unsigned-saturating pack keeps them; it packs within 128-bit lanes, so
-  // gather quadwords 0 and 2 into the low half
-  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
-}
-
-template <int kMode, typename G>
-__attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, float* m, float* v,
-                                                    int64_t n, const Consts& k, uint16_t* out = nullptr) {
-  const __m256 beta2 = _mm256_set1_ps(k.beta2), w1 = _mm256_set1_ps(k.w1), w1m1 = _mm256_set1_ps(k.w1m1);
-  const __m256 c2 = _mm256_set1_ps(k.c2), bc2s = _mm256_set1_ps(k.bc2s), eps = _mm256_set1_ps(k.eps);
-  const __m256 neg_step = _mm256_set1_ps(k.neg_step), decay = _mm256_set1_ps(k.decay);
-  const __m256 scale = _mm256_set1_ps(k.scale);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 g = load8(gp + i);
-    if (k.scaled) g = _mm256_div_ps(g, scale);
-    __m256 mv = _mm256_loadu_ps(m + i);
-    __m256 diff = _mm256_sub_ps(g, mv);
-    mv = k.small_lerp ? _mm256_fmadd_ps(w1, diff, mv) : _mm256_fmadd_ps(w1m1, diff, g);
-    __m256 vv = _mm256_fmadd_ps(_mm256_mul_ps(c2, g), g, _mm256_mul_ps(_mm256_loadu_ps(v + i), beta2));
-    if constexpr (kMode != kWeights) {
-      _mm256_storeu_ps(m + i, mv);
-      _mm256_storeu_ps(v + i, vv);
-    }
-    if constexpr (kMode != kMoments) {
-      __m256 pv = _mm256_loadu_ps(p + i);
-      if (k.wd) pv = _mm256_mul_ps(pv, decay);
-      __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2s), eps);
-      pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(neg_step, mv), d));
-      _mm256_storeu_ps(p + i, pv);
-      if (kMode == kWeights && out != nullptr) store_bf16x8(out + i, pv);
-    }
-  }
-  update_scalar<kMode>(p + i, gp + i, m + i, v + i, n - i, k, out == nullptr ? nullptr : out + i);
-}
-
-template <typename G>
-__attribute__((target("avx2,fma"))) void correct_avx2(float* p, const G* gp, float* m, float* v,
-                                                     int64_t n, const Consts& k) {
-  const __m256 w1 = _mm256_set1_ps(k.w1), c2 = _mm256_set1_ps(k.c2), bc2s = _mm256_set1_ps(k.bc2s);
-  const __m256 eps = _mm256_set1_ps(k.eps), neg_step = _mm256_set1_ps(k.neg_step);
-  const __m256 scale = _mm256_set1_ps(k.scale), zero = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    __m256 g = load8(gp + i);
-    __m256 gc = _mm256_div_ps(g, scale);
-    __m256 m1 = _mm256_loadu_ps(m + i), v1 = _mm256_loadu_ps(v + i);
-    __m256 a1 = _mm256_div_ps(_mm256_mul_ps(neg_step, m1),
-                              _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(v1), bc2s), eps));
-    __m256 mc = _mm256_fmadd_ps(w1, _mm256_sub_ps(gc, g), m1);
-    __m256 vc = _mm256_fmadd_ps(c2, _mm256_mul_ps(_mm256_sub_ps(gc, g), _mm256_add_ps(gc, g)), v1);
-    vc = _mm256_max_ps(zero, vc);  // a NaN stays NaN (maxps returns its second operand), as clamp_min_
-    __m256 ac = _mm256_div_ps(_mm256_mul_ps(neg_step, mc),
-                              _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vc), bc2s), eps));
-    _mm256_storeu_ps(m + i, mc);
-    _mm256_storeu_ps(v + i, vc);
-    _mm256_storeu_ps(p + i, _mm256_add_ps(_mm256_sub_ps(_mm256_loadu_ps(p + i), a1), ac));
-  }
-  correct_scalar(p + i, gp + i, m + i, v + i, n - i, k);
-}
-
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
-
-void check(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
-           const at::Tensor& exp_avg_sq) {
-  for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "master/exp_avg/exp_avg_sq must be contiguous fp32 CPU tensors");
-    TORCH_CHECK(t->numel() == master.numel(), "sections must have the same numel");
-  }
-  TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == master.numel(),
-              "grad must be a contiguous CPU tensor of the same numel");
-  TORCH_CHECK(grad.scalar_type() == at::kFloat || grad.scalar_type() == at::kBFloat16,
-              "grad must be fp32 or bf16");
-}
-
-// kOp: an update Mode, or kCorrect.
-constexpr int kCorrect = 3;
-
-// The vector formula runs over the first `n` elements, torch's scalar-tail formula over the rest.
-// torch's kernel runs vector code over all but the last numel % tail_width elements of a call (its
-// threads' ranges are multiples of 16 elements); those go through its scalar tail.
-int64_t vector_numel(int64_t numel, int64_t tail_width) {
-  return tail_width > 0 ? numel - numel % tail_width : numel;
-}
-
-template <int kOp>
-void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-         const Consts& k, int64_t n, uint16_t* out = nullptr) {
-  check(master, grad, exp_avg, exp_avg_sq);
-  const int64_t numel = master.numel();
-  if (numel == 0) return;
-  if (kOp == kCorrect) n = numel;
-  float* p = master.data_ptr<float>();
-  float* m = exp_avg.data_ptr<float>();
-  float* v = exp_avg_sq.data_ptr<float>();
-  const bool bf16 = grad.scalar_type() == at::kBFloat16;
-  const void* g = grad.data_ptr();
-  const bool avx2 = has_avx2();
-  const int64_t units = (n + kUnit - 1) / kUnit;
-  at::parallel_for(0, units, kGrainUnits, [&](int64_t u0, int64_t u1) {
-    const int64_t lo = u0 * kUnit, hi = std::min(n, u1 * kUnit);
-    float *pp = p + lo, *mm = m + lo, *vv = v + lo;
-    uint16_t* oo = out == nullptr ? nullptr : out + lo;
-    const int64_t len = hi - lo;
-    auto pass = [&](const auto* gg) {
-      if constexpr (kOp == kCorrect) {
-        if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k);
-      } else {
-        if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k, oo);
-        else update_scalar<kOp>(pp, gg, mm, vv, len, k, oo);
-      }
-    };
-    if (bf16) pass(static_cast<const uint16_t*>(g) + lo);
-    else      pass(static_cast<const float*>(g) + lo);
-  });
-  if constexpr (kOp != kCorrect) {
-    if (n < numel) {
-      uint16_t* ot = out == nullptr ? nullptr : out + n;
-      if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k, ot);
-      else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k, ot);
-    }
-  }
-}
-
-}  // namespace
-
-void adamw_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-                  double step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                  double clip, int64_t tail_width) {
-  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
-  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
-  pybind11::gil_scoped_release no_gil;  // as torch's own ops: the training thread runs meanwhile
-  run<kFull>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
-}
-
-void adamw_weights(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-                   double step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                   double clip, int64_t tail_width) {
-  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
-  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
-  pybind11::gil_scoped_release no_gil;
-  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
-}
-
-void adamw_weights_emit(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-                        at::Tensor out, double step, double lr, double beta1, double beta2, double eps,
-                        double weight_decay, double clip, int64_t vector_numel) {
-  // adamw_weights over a piece of a section, also storing the new weights' bf16 cast in `out`. The
-  // caller says how many leading elements take the vector formula: the rest are in the section's tail.
-  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
-  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
-              out.numel() == master.numel(), "out must be a contiguous bf16 CPU tensor of the same numel");
-  TORCH_CHECK(vector_numel >= 0 && vector_numel <= master.numel(), "vector_numel out of range");
-  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
-  uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  pybind11::gil_scoped_release no_gil;
-  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel, o);
-}
-
-void adamw_moments(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-                   double beta1, double beta2, double clip, int64_t tail_width) {
-  // `master` is only checked (same numel), never read: the moments do not depend on the weight.
-  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
-  Consts k = make_consts(1.0, 0.0, beta1, beta2, 1e-8, 0.0, clip);
-  pybind11::gil_scoped_release no_gil;
-  run<kMoments>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
-}
-
-void adamw_correct(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
-                   double step, double lr, double beta1, double beta2, double eps, double clip) {
-  TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
-  Consts k = make_consts(step, lr, beta1, beta2, eps, 0.0, clip);
-  pybind11::gil_scoped_release no_gil;
-  run<kCorrect>(master, grad, exp_avg, exp_avg_sq, k, master.numel());
-}
-
-bool uses_avx2() { return has_avx2(); }
-"""
-
+SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_cpp.cpp")
 _NAME = "megatrain_host_adamw"
 _lock = threading.Lock()
 _module = None
@@ -384,14 +79,12 @@ def load():
             return _module
         if _error is not None:
             raise RuntimeError(f"host AdamW kernel unavailable: {_error}") from _error
-        from torch.utils.cpp_extension import load_inline
+        from torch.utils.cpp_extension import load as load_extension
 
         t0 = time.perf_counter()
         try:
-            _module = load_inline(
-                name=_NAME, cpp_sources=[_SOURCE],
-                functions=["adamw_update", "adamw_correct", "adamw_weights", "adamw_weights_emit", "adamw_moments",
-                           "uses_avx2"],
+            _module = load_extension(
+                name=_NAME, sources=[SOURCE],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                 extra_ldflags=_gomp_flags(), verbose=False)
         except Exception as e:  # compiler missing, ninja missing, build error

@@ -12,17 +12,17 @@ of each weight and moment), not bit-exact; they run only on steps where speculat
 wrong (the gradient was clipped, or not finite).
 
 `kernel` picks the code for update and correct: 'torch' (the torch path above), 'cpp' (the C++
-kernel of host_kernels.py, one pass that reads bf16 gradients directly; its update is bit-identical
-to the torch path's; required: an error if it does not compile) or 'auto' (the C++ kernel if it
-compiles, else the torch path, with one warning). Unset, it comes from MEGATRAIN_HOST_KERNEL, else
-'auto': measured on the H200 (16 cores, 233 M-param tile, bf16 grads) the C++ update runs at 5.2 G
-params/s against torch's 3.8, and the 7B 8x4096 clipped step drops from 5.72 s to 4.93 s
-(docs/benchmarks.md, session 3). rollback always runs the torch ops.
+kernel of adamw_cpp.py, one pass that reads bf16 gradients directly; its update is bit-identical
+to the torch path's; required: an error if it does not compile) or 'auto', the default (the C++
+kernel if it compiles, else the torch path, with one warning): the C++ update moves fewer bytes per
+parameter (no fp32 scratch for a bf16 gradient) and host AdamW is memory-bound. rollback always runs
+the torch ops.
 
-`defer_moments` (the C++ kernel only): `update_weights` stores an update's weights and leaves its moments
-to `update_moments`, which must run before anything else reads the tile's moments or replaces its
-gradient. Bit-identical to `update`; what it buys is a smaller pass where the next forward waits
-(worker.py). Unset, it comes from MEGATRAIN_DEFER_MOMENTS (1/0), else on with the C++ kernel.
+`defer_moments` (the C++ kernel only; on by default, ignored with the torch path): `update_weights`
+stores an update's weights and leaves its moments to `update_moments`, which must run before anything
+else reads the tile's moments or replaces its gradient. Bit-identical to `update`; what it buys is a
+smaller pass where the next forward waits (worker.py), at the cost of one more pass over m, v and the
+gradient, later.
 """
 
 from __future__ import annotations
@@ -73,10 +73,10 @@ def resolve_kernel(kernel: str = "auto") -> str:
         raise ValueError(f"host AdamW kernel must be one of {KERNELS}, got {kernel!r}")
     if kernel == "torch":
         return "torch"
-    from megatrain_cli.optim import adamw_cpp as host_kernels
+    from megatrain_cli.optim import adamw_cpp
 
     try:
-        host_kernels.load()
+        adamw_cpp.load()
     except RuntimeError as e:
         if kernel == "cpp":
             raise
@@ -97,9 +97,9 @@ class HostAdamW:
         self.kernel = resolve_kernel(kernel)
         self._cpp = None
         if self.kernel == "cpp":
-            from megatrain_cli.optim import adamw_cpp as host_kernels
+            from megatrain_cli.optim import adamw_cpp
 
-            self._cpp = host_kernels
+            self._cpp = adamw_cpp
         self.defer_moments = bool(defer_moments) and self._cpp is not None
 
     def _fused(self, master, grad, m, v, step: float, lr: float, wd: float, clip: float) -> None:
@@ -185,7 +185,7 @@ class HostAdamW:
 
     def update_weights_span(self, tile: Tile, lr: float, clip: float, lo: int, hi: int, out: torch.Tensor) -> None:
         """`update_weights` for elements [lo, hi) of the tile, also writing their new bf16 weights into
-        `out` (hi - lo elements): the read-through update of optim/worker.py, which calls it over a tile's
+        `out` (hi - lo elements): the update on read of optim/worker.py, which calls it over a tile's
         whole range in pieces and then `count_step` once. Bit-identical to update_weights + a cast."""
         step = float(tile.step + 1)
         for start, end, wd in self._sections(tile):

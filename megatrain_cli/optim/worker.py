@@ -15,9 +15,9 @@ is known only when the backward is done. Two ways around the wait, both exact:
              gradient. So a miss costs about what deferring would have, and a hit saves it.
              A step right after a clipped one does not speculate at all (clipping tends to
              persist, and a wrong speculation costs a correction after the verdict, on the
-             critical path): measured on the H200, 7B, 8x4096, clipped every step, speculating
-             anyway took 10.4 s/step against 5.9 s deferring. The first step does not speculate
-             either; the first unclipped verdict turns speculation on.
+             critical path: a second pass over the tile's state where the next forward waits).
+             The first step does not speculate either; the first unclipped verdict turns
+             speculation on.
   defer      Tiles not speculated wait for the verdict; then they run in the order the NEXT
              forward reads them (embedding, layers 0.., head), and that forward waits only for
              the tile it is about to stream (`wait(tile)`).
@@ -28,26 +28,25 @@ is known only when the backward is done. Two ways around the wait, both exact:
              later, in the order the next backward lands gradients (head first), and not before the
              engine says the next forward has all its weights (`release_moments`, at its head): in
              the forward the host memory bandwidth is the critical resource (the weights passes and
-             the packer's casts share it), in the backward there is room. Measured on the H200, 7B,
-             8x4096, clipped: moments running as soon as the weights were done, 5.48 s/step against
-             4.93 s for the single pass; held until the head, 4.37-4.42 s per steady step against
-             4.49-4.60 (docs/benchmarks.md, session 3). `wait(tile)` waits for the weights only;
-             `wait_state(tile)` for everything, moments included: the gradient lander calls it before
-             it replaces a tile's gradient (the moments pass still reads it), and `drain` before
-             anything reads moments (checkpoints). Bit-identical to the single-pass update; it costs
-             one more pass over m, v, g, off the critical path.
+             the packer's casts share it), in the backward there is room; moments that ran as soon
+             as their weights were done would take bandwidth from the forward instead. `wait(tile)`
+             waits for the weights only; `wait_state(tile)` for everything, moments included: the
+             gradient lander calls it before it replaces a tile's gradient (the moments pass still
+             reads it), and `drain` before anything reads moments (checkpoints). Bit-identical to
+             the single-pass update; it costs one more pass over m, v, g, off the critical path.
 
-  read-through  With `read_through` on (the engine sets it where the streamer supports it), a deferred
-             update whose weights the next forward will read is held for that reader instead of run by
-             this thread: the packer `claim`s it when it streams the tile and applies it chunk by chunk,
-             storing the new fp32 weights and casting them from registers into pinned staging
-             (HostAdamW.update_weights_span). The forward's host traffic per parameter drops from 18
-             (weights pass) + 6 (the packer's cast: read fp32, write bf16) to 20 bytes, and the update
-             runs exactly when its weights are needed instead of competing with the cast of the tile
-             before it. The moments pass follows as above. Only the tiles the engine names are held (the
-             streamed ones: not the embedding, whose rows are read on the host, so its update starts at
-             the verdict); a held update goes back to this thread as soon as anyone `wait`s for the tile
-             or drains. Bit-identical to the weights pass + cast.
+  update on read  With `update_on_read` naming tiles (the engine sets it where the streamer supports
+             it), a deferred update whose weights the next forward will read is held for that reader
+             instead of run by this thread: the packer `claim`s it (an UpdateOnRead) when it streams
+             the tile and applies it chunk by chunk, storing the new fp32 weights and casting them
+             from registers into pinned staging (HostAdamW.update_weights_span). The forward's host
+             traffic per parameter drops from 18 (weights pass) + 6 (the packer's cast: read fp32,
+             write bf16) to 20 bytes, and the update runs exactly when its weights are needed instead
+             of competing with the cast of the tile before it. The moments pass follows as above.
+             Only the tiles the engine names are held (the streamed ones: not the embedding, whose
+             rows are read on the host, so its update starts at the verdict); a held update goes back
+             to this thread as soon as anyone `wait`s for the tile or drains. Bit-identical to the
+             weights pass + cast.
 
 Jobs carry their step's context, so step t's deferred updates can still be running while step
 t+1's forward begins. One worker thread (AdamW is memory-bound; torch's fused kernel already uses
@@ -84,13 +83,14 @@ class _Job:
     ctx: StepContext
     spec_ok: bool = False  # an 'update' that may run before the verdict
     seq: int = 0  # landing order
-    held: bool = False  # a deferred update kept for its reader's claim (read-through); not run here
+    held: bool = False  # a deferred update kept for its reader's claim (update on read); not run here
 
 
-class ReadThroughUpdate:
-    """A claimed deferred update: the reader applies it over the tile's range in pieces (`apply`), then
-    `close`s it (with the error, if a piece failed: the tile is then half-updated, and every later
-    wait raises). Closing queues the update's moments pass, as the worker's own weights pass does."""
+class UpdateOnRead:
+    """A deferred update held for its reader and claimed (update on read): the reader applies it over
+    the tile's range in pieces (`apply`), then `close`s it (with the error, if a piece failed: the tile
+    is then half-updated, and every later wait raises). Closing queues the update's moments pass, as
+    the worker's own weights pass does."""
 
     def __init__(self, worker: "OptimizerWorker", job: _Job):
         self._worker, self._job = worker, job
@@ -105,7 +105,7 @@ class ReadThroughUpdate:
     def close(self, error: BaseException | None = None) -> None:
         self._worker._finish_claim(self._job, error)
 
-    def __enter__(self) -> "ReadThroughUpdate":
+    def __enter__(self) -> "UpdateOnRead":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -117,6 +117,8 @@ class OptimizerWorker:
     def __init__(self, optimizer: HostAdamW, store: HostStore, *, forward_order: list[str],
                  max_grad_norm: float | None, speculate: bool = True, assume_clipped: bool = True,
                  threads: int | None = None):
+        if threads is not None and threads < 1:  # raised here, not in the worker thread's first job
+            raise ValueError(f"OptimizerWorker threads must be >= 1 (None: torch's default), got {threads}")
         self.optimizer, self.store = optimizer, store
         self.max_grad_norm, self.speculate = max_grad_norm, speculate
         self.threads = threads  # intra-op threads of host AdamW in this worker's thread (None: torch's default)
@@ -136,9 +138,9 @@ class OptimizerWorker:
         self._moments_through = 0  # deferred moments of steps <= this index may run
         self._seq = 0
         self._closed = False
-        # Set by the engine: the tiles whose deferred updates are held for the streamer's claim (the ones
-        # it streams first in the next forward; not the embedding, whose rows are read on the host).
-        self.read_through: frozenset[str] = frozenset()
+        # Set by the engine: the tiles whose deferred updates are held for the streamer's claim (update on
+        # read: the ones it streams in the next forward; not the embedding, whose rows are read on the host).
+        self.update_on_read: frozenset[str] = frozenset()
         self.waited_s = 0.0  # host seconds any thread spent blocked in wait(): the optimizer behind the GPU
         # The previous verdict: clipped or skipped. Before any verdict, assume clipped: the first steps
         # of a run are the likeliest to clip, and a one-step bench would otherwise time a correction.
@@ -177,11 +179,11 @@ class OptimizerWorker:
 
     def wait(self, tile: str) -> None:
         """Block until `tile` holds its updated weights (a host-side wait, only when AdamW is behind).
-        An update held for a read-through claim runs here instead."""
+        An update held for its reader (update on read) runs here instead."""
         self._release_held(tile)
         self._wait_event(self._weights_done[tile])
 
-    def claim(self, tile: str) -> ReadThroughUpdate | None:
+    def claim(self, tile: str) -> UpdateOnRead | None:
         """The tile's held deferred update, for the caller to apply as it reads the tile; None when there
         is none (then `wait` as usual). Blocks for the step's verdict if it is not in yet."""
         with self._cv:
@@ -197,7 +199,7 @@ class OptimizerWorker:
                 self._cv.notify_all()
                 return None
             self._jobs.remove(job)
-            return ReadThroughUpdate(self, job)
+            return UpdateOnRead(self, job)
 
     def _finish_claim(self, job: _Job, error: BaseException | None) -> None:
         if error is None:
@@ -221,7 +223,7 @@ class OptimizerWorker:
 
     def wait_state(self, tile: str) -> None:
         """Block until every job on `tile` is done, deferred moments included (its gradient is free);
-        releases every held moments pass (and a held read-through update) first, so the wait cannot
+        releases every held moments pass (and an update held for its reader) first, so the wait cannot
         depend on a release or a claim to come."""
         if not self._done[tile].is_set():
             self._release_held(tile)
@@ -265,7 +267,7 @@ class OptimizerWorker:
                 # timing, or clipped steps would differ run to run in the last bits.
                 ctx.speculated.add(tile)
             self._seq += 1
-            held = tile in self.read_through and not ok and self.optimizer.defer_moments
+            held = tile in self.update_on_read and not ok and self.optimizer.defer_moments
             self._enqueue(_Job("update", tile, ctx, spec_ok=ok, seq=self._seq, held=held))
             self._cv.notify_all()
 

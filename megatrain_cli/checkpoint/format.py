@@ -1,0 +1,139 @@
+"""Bytes on disk, below every checkpoint and export: safetensors headers, chunked writes and reads that
+go straight between tensor memory and a file while computing CRC-32, and files and directories made
+durable (fsync) and published atomically (rename).
+
+Nothing here knows what a checkpoint holds (layout.py does); export.py writes its shards with the same
+pieces, so a Hugging Face export and a checkpoint tile are written by one safetensors writer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import torch
+
+CHUNK_BYTES = 64 << 20  # I/O and CRC granularity; also keeps every write() below Linux's 2 GiB cap
+
+
+class CheckpointError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------- raw safetensors
+def safetensors_header(entries: list[tuple[str, str, tuple[int, ...], int, int]],
+                       metadata: dict[str, str]) -> bytes:
+    """The 8-byte length + JSON header of a safetensors file, padded with spaces to 8 bytes as the
+    reference writer does. entries: (name, dtype code, shape, begin, end) with data offsets."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for name, code, shape, begin, end in entries:
+        header[name] = {"dtype": code, "shape": list(shape), "data_offsets": [begin, end]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def read_safetensors_header(f, name: str) -> tuple[dict[str, Any], bytes]:
+    """(parsed header, its raw bytes including the length prefix); f is positioned at the data. A
+    length over 100 MiB is refused as corruption before anything that large is read."""
+    prefix = f.read(8)
+    if len(prefix) != 8:
+        raise CheckpointError(f"{name}: truncated (no safetensors header)")
+    (length,) = struct.unpack("<Q", prefix)
+    if length > 100 << 20:
+        raise CheckpointError(f"{name}: corrupted safetensors header (claims {length} bytes)")
+    raw = f.read(length)
+    try:
+        return json.loads(raw), prefix + raw
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{name}: corrupted safetensors header ({e})") from None
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous tensor, without a copy (little-endian, as safetensors wants)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+# ---------------------------------------------------------------- chunked I/O with CRC-32
+def write_all(f, data: memoryview | bytes, crc: int = 0) -> int:
+    """Write everything (in chunks: one write() moves at most ~2 GiB on Linux); returns the CRC. The
+    bytes go from `data` to the file with no copy of their own; the CRC is one more pass over them."""
+    data = memoryview(data)
+    for start in range(0, len(data), CHUNK_BYTES):
+        chunk = data[start:start + CHUNK_BYTES]
+        crc = zlib.crc32(chunk, crc)
+        while len(chunk):
+            chunk = chunk[f.write(chunk):]
+    return crc
+
+
+def read_into(f, target: memoryview, name: str, crc: int = 0) -> int:
+    """Fill `target` from f (straight into its memory: no temporary buffer); returns the CRC. A file
+    that ends early raises CheckpointError, leaving `target` partly overwritten."""
+    for start in range(0, len(target), CHUNK_BYTES):
+        chunk = target[start:start + CHUNK_BYTES]
+        got = 0
+        while got < len(chunk):
+            n = f.readinto(chunk[got:])
+            if not n:
+                raise CheckpointError(f"{name}: truncated (ended early)")
+            got += n
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+# ---------------------------------------------------------------- durable files, atomic publication
+def fsync_dir(path: Path) -> None:
+    """Make the directory's entries (created, renamed files) durable: without it a crash may lose a
+    rename that already returned."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> dict[str, int]:
+    """Write and fsync a whole file (a disk flush); its manifest entry {bytes, crc32}."""
+    with open(path, "wb", buffering=0) as f:
+        crc = write_all(f, data)
+        os.fsync(f.fileno())
+    return {"bytes": len(data), "crc32": crc}
+
+
+def seal_file(path: Path, base: Path) -> dict[str, dict[str, int]]:
+    """Fsync and checksum a small file written by other code (config/tokenizer save_pretrained):
+    reading it back costs nothing worth mentioning."""
+    with open(path, "rb") as f:
+        data = f.read()
+        os.fsync(f.fileno())
+    return {path.relative_to(base).as_posix(): {"bytes": len(data), "crc32": zlib.crc32(data)}}
+
+
+def seal_tree(root: Path, base: Path) -> dict[str, dict[str, int]]:
+    """seal_file for every file under root, then fsync root and its subdirectories."""
+    entries: dict[str, dict[str, int]] = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        entries.update(seal_file(path, base))
+    for d in sorted({p for p in root.rglob("*") if p.is_dir()} | {root}):
+        fsync_dir(d)
+    return entries
+
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Atomically rename a finished temp dir into place. rename() cannot replace a non-empty dir, so
+    an existing `final` is moved aside first and deleted after (only a same-name re-save pays this)."""
+    old = final.with_name(f".{final.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)

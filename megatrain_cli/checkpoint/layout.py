@@ -1,0 +1,208 @@
+"""What a checkpoint directory holds, and how one comes to exist: the tile files, the manifest, the
+side files, the atomic publication and the rotation. whole.py (one process) and sharded.py (N ranks)
+write and read through it.
+
+Layout of one checkpoint (every file listed in manifest.json with its size and CRC-32):
+
+    output_dir/step_{N}/
+        tiles/embed.safetensors, tiles/layers.0.safetensors, ..., tiles/head.safetensors
+        trainer_state.json    the trainer's dict (data position, RNG states, ...)
+        config.json           the HF config: a checkpoint describes its own model (export needs it)
+        tokenizer/            tokenizer files, when a tokenizer was given
+        manifest.json         written LAST: its presence means every other file is complete
+
+(a checkpoint of N ranks puts its tile files under tiles/rank{r}/: sharded.py.)
+
+A tile file is standard safetensors holding `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`
+for every parameter of the tile, all fp32. The grad section is not saved (it is transient within a
+step). The bytes of each section are written straight from the tile's views, so saving costs no
+copy of the model in RAM; loading reads straight into the views the same way.
+
+Atomicity: everything is written into output_dir/.step_{N}.tmp, each file fsynced, the directory
+fsynced, then renamed to step_{N} and the parent fsynced. A crash at any point leaves the earlier
+checkpoints untouched and never a step_* directory that looks complete but is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+from megatrain_cli.checkpoint.format import (CheckpointError, fsync_dir, publish_dir, read_into,
+                                             read_safetensors_header, safetensors_header, seal_file,
+                                             seal_tree, tensor_bytes, write_all, write_file_durably)
+from megatrain_cli.store.tiles import HostStore, Tile
+
+FORMAT = "megatrain-checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.json"
+SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+_STEP_DIR = re.compile(r"step_(\d+)")
+
+# Test seam: called with ('tile_written', name), ('manifest_written', '') and ('published', '') so
+# the crash tests can kill a writer at a point they choose. None in normal use.
+event_hook: Callable[[str, str], None] | None = None
+
+
+def event(kind: str, detail: str = "") -> None:
+    if event_hook is not None:
+        event_hook(kind, detail)
+
+
+# ---------------------------------------------------------------- tile files
+def _tile_entries(tile: Tile) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    section_bytes = tile.numel * 4
+    if not tile.layout.slots:  # one rank's shard of a tile (store/sharded.py): one flat tensor per section
+        return [(f"{section}/shard", "F32", (tile.numel,), k * section_bytes, (k + 1) * section_bytes)
+                for k, section in enumerate(SECTIONS)]
+    return [(f"{section}/{slot.name}", "F32", slot.shape, k * section_bytes + slot.offset * 4,
+             k * section_bytes + (slot.offset + slot.numel) * 4)
+            for k, section in enumerate(SECTIONS) for slot in tile.layout.slots]
+
+
+def write_tile(tile: Tile, path: Path) -> dict[str, Any]:
+    """The tile's three sections into one safetensors file, straight from its views (no copy), fsynced;
+    its manifest entry (bytes, step, CRC-32 of the header and of each section)."""
+    header = safetensors_header(_tile_entries(tile), {"format": FORMAT, "tile": tile.name,
+                                                       "step": str(tile.step)})
+    crcs = {}
+    with open(path, "wb", buffering=0) as f:
+        crcs["header"] = write_all(f, header)
+        for section in SECTIONS:  # straight from the views: no copy
+            crcs[section] = write_all(f, tensor_bytes(getattr(tile, section)))
+        os.fsync(f.fileno())  # costs a disk flush per tile; needed before the manifest may claim it
+    return {"bytes": len(header) + 3 * tile.numel * 4, "step": tile.step, "crc32": crcs}
+
+
+def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str, ...]) -> None:
+    """Read the chosen sections straight into the tile's views, checking header and checksums (a
+    section not chosen is skipped by a seek, not read)."""
+    name = path.name
+    with open(path, "rb", buffering=0) as f:
+        header, raw = read_safetensors_header(f, name)
+        if zlib.crc32(raw) != entry["crc32"]["header"]:
+            raise CheckpointError(f"{name}: header checksum mismatch (file corrupted)")
+        expected = json.loads(safetensors_header(_tile_entries(tile), {})[8:])
+        expected.pop("__metadata__")
+        header.pop("__metadata__", None)
+        if header != expected:
+            have = {k.split("/", 1)[1]: v["shape"] for k, v in header.items() if k.startswith("master/")}
+            want = {k.split("/", 1)[1]: v["shape"] for k, v in expected.items() if k.startswith("master/")}
+            diff = sorted(k for k in set(have) | set(want) if have.get(k) != want.get(k))[:4]
+            raise CheckpointError(f"{name} does not fit tile {tile.name} of this model (another model's "
+                                  f"checkpoint?): differing tensors {diff}: checkpoint "
+                                  f"{[have.get(k) for k in diff]}, model {[want.get(k) for k in diff]}")
+        data_start = len(raw)
+        for k, section in enumerate(SECTIONS):
+            if section not in sections:
+                continue
+            f.seek(data_start + k * tile.numel * 4)
+            crc = read_into(f, tensor_bytes(getattr(tile, section)), name)
+            if crc != entry["crc32"][section]:
+                raise CheckpointError(f"{name}: checksum mismatch in section {section} (file corrupted); "
+                                      "the store is now partly overwritten and must not be trained on")
+
+
+# ---------------------------------------------------------------- the rest of a checkpoint, and its publication
+def model_summary(store: HostStore) -> dict[str, Any]:
+    """The manifest's "model": what a loader compares before reading any tile."""
+    a = store.adapter
+    return {"architecture": a.architecture, "num_layers": a.num_layers, "hidden_size": a.hidden_size,
+            "vocab_size": a.vocab_size, "tied_embeddings": a.tied, "num_params": store.num_params()}
+
+
+def write_side_files(tmp: Path, store, state_bytes: bytes, tokenizer) -> dict[str, dict[str, int]]:
+    """trainer_state.json, config.json and the tokenizer, each fsynced; their manifest entries."""
+    files = {TRAINER_STATE: write_file_durably(tmp / TRAINER_STATE, state_bytes)}
+    store.adapter.config.save_pretrained(str(tmp))  # writes tmp/config.json
+    files.update(seal_file(tmp / "config.json", tmp))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(tmp / "tokenizer"))
+        files.update(seal_tree(tmp / "tokenizer", tmp))
+    return files
+
+
+def seal_and_publish(tmp: Path, final: Path, output_dir: Path, manifest: dict, keep_last_n: int) -> None:
+    """The manifest LAST (its presence means complete), then the atomic rename and the rotation (which
+    stats the files of every older checkpoint to know which are complete)."""
+    write_file_durably(tmp / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    fsync_dir(tmp)
+    event("manifest_written")
+    publish_dir(tmp, final)
+    event("published")
+    _rotate(output_dir, max(1, keep_last_n), final)
+
+
+# ---------------------------------------------------------------- finding checkpoints, rotation
+def _step_dirs(output_dir: Path) -> list[tuple[int, Path]]:
+    """step_* directories, newest step first."""
+    if not output_dir.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in output_dir.iterdir()
+             if p.is_dir() and (m := _STEP_DIR.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The manifest, checked for completeness by file sizes (a stat per file: no data is read)."""
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        hint = ""
+        if _step_dirs(path):
+            hint = f"; it holds checkpoints {[p.name for _, p in _step_dirs(path)]}: pass one of them"
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {MANIFEST}){hint}")
+    try:
+        manifest = json.loads(mpath.read_text())
+    except ValueError as e:
+        raise CheckpointError(f"{mpath} is corrupted ({e})") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise CheckpointError(f"{path}: not a {FORMAT} v{VERSION} checkpoint")
+    try:
+        listed = {t["file"]: t["bytes"] for t in manifest["tiles"]}
+        listed.update({t["file"]: t["bytes"] for rank in manifest.get("shards", []) for t in rank})
+        listed.update({k: v["bytes"] for k, v in manifest["files"].items()})
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{mpath} is malformed ({e!r})") from None
+    for rel, size in listed.items():
+        p = path / rel
+        if not p.is_file():
+            raise CheckpointError(f"{path}: {rel} is missing")
+        if p.stat().st_size != size:
+            raise CheckpointError(f"{path}: {rel} has {p.stat().st_size} bytes, the manifest says {size} "
+                                  "(truncated or overwritten)")
+    return manifest
+
+
+def _is_complete(path: Path) -> bool:
+    try:
+        read_manifest(path)
+        return True
+    except CheckpointError:
+        return False
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest step_* under output_dir whose manifest is present and whose files all have their
+    listed sizes (stats only, no data read); None if there is none."""
+    for _, path in _step_dirs(Path(output_dir)):
+        if _is_complete(path):
+            return path
+    return None
+
+
+def _rotate(output_dir: Path, keep: int, just_written: Path) -> None:
+    for stale in output_dir.glob(".step_*"):  # .tmp/.old/.trash left by interrupted saves
+        if stale.is_dir():
+            shutil.rmtree(stale)
+    others = [p for _, p in _step_dirs(output_dir) if p != just_written and _is_complete(p)]
+    for path in others[keep - 1:]:
+        trash = output_dir / f".{path.name}.trash"  # rename first: a half-deleted dir never looks complete
+        os.rename(path, trash)
+        shutil.rmtree(trash)
+    fsync_dir(output_dir)
