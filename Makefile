@@ -16,7 +16,9 @@ install:
 demo: install
 	megatrain train recipes/tiny.yaml
 
+# The import rules first (pyproject.toml [tool.importlinter]: a violating import fails), then the tests.
 test: install
+	lint-imports
 	$(PY) -m pytest -q
 
 # On a machine with an NVIDIA GPU: the CUDA-marked tests only.

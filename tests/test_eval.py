@@ -10,7 +10,7 @@ import torch
 
 from megatrain_cli.data import DataError, load_examples, split_examples
 from megatrain_cli.eval import run as run_module
-from megatrain_cli.eval.extract import answers_match, extract_answer, normalize_number
+from megatrain_cli.data.answers import answers_match, extract_answer, normalize_number
 from megatrain_cli.eval.generate import Generation, StopOnStrings, _finish, generate_greedy
 from megatrain_cli.eval.run import run_eval
 from megatrain_cli.models.tokenizer import load_bundled_tokenizer

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
-from megatrain_cli.eval.extract import extract_answer
+from megatrain_cli.data.answers import extract_answer
 
 REQUIRED_FIELDS = {
     "metamathqa": ("query", "response"),

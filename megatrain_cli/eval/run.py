@@ -19,7 +19,7 @@ from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.load import load_examples, split_examples
 from megatrain_cli.data.prompts import default_prefix_ids, encode_prompt, eos_id, pad_id, render_prompt, \
     stop_strings, uses_chat_template
-from megatrain_cli.eval.extract import answers_match, extract_answer
+from megatrain_cli.data.answers import answers_match, extract_answer
 from megatrain_cli.eval.generate import generate_greedy
 from megatrain_cli.eval.source import choose_mode, load_resident, load_streamed, model_eos_ids, num_params, \
     resolve_model
