@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_cli.engine.step import IGNORE_INDEX, MicroBatch, block_causal_mask
+from megatrain_cli.batch import IGNORE_INDEX, MicroBatch, block_causal_mask
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.tiles import HostStore

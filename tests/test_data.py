@@ -13,7 +13,7 @@ import torch
 from megatrain_cli.data import (DataError, Example, build_train_data, encode_prompt, load_examples, render_prompt,
                                 split_examples)
 from megatrain_cli.data import tokenize as tokenize_module
-from megatrain_cli.engine.step import IGNORE_INDEX
+from megatrain_cli.batch import IGNORE_INDEX
 from megatrain_cli.models.tokenizer import load_bundled_tokenizer
 from megatrain_cli.recipe import DataConfig
 

@@ -241,9 +241,9 @@ def test_bench_long_context_refuses_a_plan_that_does_not_fit():
 
 
 def test_packed_long_rows_are_refused_before_the_mask_is_built(monkeypatch):
-    from megatrain_cli.engine import step as step_module
+    from megatrain_cli.engine import inputs as inputs_module
 
-    monkeypatch.setattr(step_module, "MAX_LONG_CONTEXT_MASK", 2 * SEQ * SEQ - 1)
+    monkeypatch.setattr(inputs_module, "MAX_LONG_CONTEXT_MASK", 2 * SEQ * SEQ - 1)
     config = tiny_config(layers=2)
     store = build_store(config, torch.float32, seed=0)
     engine = Engine(store, TrainConfig(), device=torch.device("cpu"), long_context=forced_plan(config, 1, lean=False,

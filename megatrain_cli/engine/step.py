@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatrain_cli.batch import MicroBatch, StepResult
 from megatrain_cli.engine import kernel_patch
-from megatrain_cli.batch import (  # noqa: F401 (MicroBatch, StepResult: re-exported for callers)
-    IGNORE_INDEX, MAX_LONG_CONTEXT_MASK, MicroBatch, StepResult, block_causal_mask)
+from megatrain_cli.engine.inputs import step_inputs
+from megatrain_cli.engine.head import run_head
 from megatrain_cli.engine.plan.lean import LongContextPlan
-from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
 from megatrain_cli.engine.tiling import SDPA_BACKENDS, sdpa_backend_context, slim_norms, tile_mlp
 from megatrain_cli.engine.transfer import make_transfers
+from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
@@ -35,39 +36,20 @@ if TYPE_CHECKING:  # torch.distributed is imported only by a distributed engine
 class Engine:
     """Drives plain HF layer modules over a host store, one streamed layer at a time.
 
-    `long_context` (a LongContextPlan, issue #9) switches on the long-sequence path: every layer
-    template runs its MLP tiled over plan.mlp_tile_tokens tokens, the RMSNorms keep 4 bytes per row when
-    plan.lean_norms, the head's loss chunk is the plan's, and the activation checkpoints go through a
-    CheckpointOffloader (plan.offload_keys live in host memory between forward and backward; each is
-    brought back one block ahead of its recompute). `sdpa` restricts SDPA's backends on CUDA
-    (tiling.sdpa_backend_context) for the op loop: 'auto' = cuDNN/flash/efficient, never MATH, and is
-    applied only with a long-context plan; an explicit backend name applies either way. Without a plan
-    and with sdpa='auto' the engine is exactly the short-context one.
+    The pieces it composes: the schedule (which layer when), the templates (the HF layers without
+    weights, bound to the streamed buffer), the transfers (engine/transfer/: weights in, gradients out)
+    and the host optimizer (optim/: AdamW in a background thread on CUDA, updates applied on read).
+    Options change how, never what: every combination computes the same step.
 
-    `kernels` (issue #8): 'triton' routes every layer template's and the final-norm template's RMSNorms,
-    the SiLU MLPs' act(gate) * up and the attention's RoPE through megatrain_cli.kernels
-    (kernel_patch.install_kernels, after the long-context pieces: a tiled MLP keeps its eager activation,
-    a lean norm becomes the kernel's, which saves the same bytes), and the head uses the fused linear +
-    cross-entropy. 'torch' is the plain HF/PyTorch path; 'auto' = 'triton' on CUDA, 'torch' elsewhere
-    (kernel_patch.resolve). A kernel whose Triton path fails falls back to its PyTorch reference with
-    one warning (the registry in megatrain_cli.kernels).
-
-    `host_adamw` ('auto' | 'torch' | 'cpp') and `defer_moments` pick the host AdamW code and whether
-    deferred (clipped-step) updates store their moments after the next forward (optim/host_adamw.py,
-    optim/worker.py). `packer_threads` / `adamw_threads` cap the intra-op threads of the packer's casts and
-    of host AdamW (None: torch's default, every core).
-
-    `update_on_read` (one process, host casts, bf16 compute, the C++ kernel with deferred moments): a clipped
-    step's weight updates are applied by the packer as the next forward streams each tile, the new weights
-    cast into pinned staging from registers (optim/worker.py: update on read); off: the worker updates, the
-    packer casts. Bit-identical either way.
-
-    `dist` (a DistContext, issue #11) makes this engine one data-parallel rank: `store` is this rank's
-    ShardedHostStore, `step` gets this rank's share of the step's micro-batches (split_micro_batches),
-    layers are assembled on the device by all-gathers and gradients leave reduce-scattered, the loss is
-    normalised by the global token count and the gradient norm is global (engine/distributed.py). On
-    CUDA the transfers overlap compute as on one GPU (engine/dist_pipeline.py) unless dist.overlap is
-    False; on the CPU they are synchronous. Without `dist`, nothing changes.
+    `long_context` (a lean plan, engine/plan/lean.py): the MLP chunked over the sequence, lean RMSNorms,
+    the plan's loss chunk and activation checkpoints offloaded to pinned host memory as the plan says.
+    `sdpa` restricts SDPA's backends on CUDA ('auto' = cuDNN/flash/efficient, never math, on the lean
+    path only). `kernels` 'triton' swaps the Triton RMSNorm, SiLU-product and RoPE into the templates and
+    fuses the head's linear + cross-entropy ('auto' = triton on CUDA). `host_adamw`, `defer_moments`,
+    `update_on_read`, `packer_threads`, `adamw_threads`: the host optimizer's code and threads
+    (optim/host_adamw.py, optim/worker.py). `dist` (engine/dist.py) makes this engine one data-parallel
+    rank over its ShardedHostStore: layers all-gathered on the devices, gradients reduce-scattered,
+    loss and gradient norm global.
     """
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
@@ -162,26 +144,19 @@ class Engine:
         like = [((b, t, self.adapter.hidden_size), self.dtype) for b, t in micro_batch_shapes]
         return sum(self.offloader.reserve(block, like) for block in self._recompute_order)
 
-    def _check_mask_size(self, pos: torch.Tensor) -> None:
-        b, t = pos.shape
-        if b * t * t > MAX_LONG_CONTEXT_MASK and bool((pos[:, 1:] == 0).any()):
-            raise ValueError(f"packed rows (positions restart inside a row) of {t} tokens need a [T, T] block-causal "
-                             f"mask ({b * t * t / 2**30:.0f} GiB) and keep SDPA off flash/cuDNN: at long context "
-                             f"train one document per row (data.packing=false)")
-
     def _sdpa_context(self):
         if self.device.type != "cuda" or (self.long_context is None and self.sdpa == "auto"):
             return contextlib.nullcontext()
         return sdpa_backend_context(self.sdpa, self.device)
 
     # ------------------------------------------------------------ helpers
-    def _grad_zeros(self, tile: str) -> torch.Tensor:
+    def grad_zeros(self, tile: str) -> torch.Tensor:
         """A tile's fp32 gradient accumulator; on the distributed path padded to the store's shard multiple
         (the tail stays zero), so the sink reduce-scatters it as it is."""
         n = self.store.layouts[tile].numel if self.dist is None else self.store.padded_numel(tile)
         return torch.zeros(n, dtype=torch.float32, device=self.device)
 
-    def _weights(self, tile: str, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
+    def weight_views(self, tile: str, flat: torch.Tensor, grad: bool) -> dict[str, torch.Tensor]:
         views = self.store.layouts[tile].views(flat)
         if grad:
             views = {k: v.detach().requires_grad_() for k, v in views.items()}
@@ -256,32 +231,12 @@ class Engine:
         waited_before = self.worker.waited_s if self.worker is not None else 0.0
         if self.worker is not None:
             self.streamer.idle_while(lambda: self.worker.wait("embed"))
-        ids_all = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
-        uniq, inverse = torch.unique(ids_all, return_inverse=True)
-        if self.dist is None:
-            rows = self.store.tiles["embed"].master.view(-1, H)[uniq].to(dev, self.dtype)
-        else:
+        if self.dist is not None:
             self.sink.reset()
-            rows = self.streamer.embed_rows(uniq)  # the rows live on their owner ranks
-        inv_dev = inverse.to(dev)
-        h, ctx, labels, offsets = [], [], [], []
-        n_loss_tokens, start = 0, 0
-        for mb in mbs:
-            b, t = mb.input_ids.shape
-            offsets.append((start, start + b * t))
-            h.append(rows[inv_dev[start:start + b * t]].view(b, t, H))
-            start += b * t
-            pos = mb.position_ids if mb.position_ids is not None else torch.arange(t).expand(b, t)
-            pos = pos.to(dev)
-            if self.long_context is not None:
-                self._check_mask_size(pos)
-            ctx.append((self.rotary(h[-1], pos), block_causal_mask(pos), pos))
-            shifted = torch.full_like(mb.labels, IGNORE_INDEX)
-            shifted[:, :-1] = mb.labels[:, 1:]
-            labels.append(shifted.to(dev))
-            n_loss_tokens += int((shifted != IGNORE_INDEX).sum())
-        if self.dist is not None:  # every rank scales by the global batch's loss tokens
-            n_loss_tokens = int(self.dist.sum_scalars([n_loss_tokens])[0])
+        x = step_inputs(mbs, self.store, self.streamer, self.rotary, dev, self.dtype, self.dist,
+                        check_mask=self.long_context is not None)
+        ids_all, uniq, inv_dev, h, ctx, labels, offsets = x.ids, x.uniq, x.inverse, x.h, x.ctx, x.labels, x.offsets
+        n_loss_tokens = x.loss_tokens
         norm_scale = 1.0 / max(1, n_loss_tokens)
         sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
 
@@ -311,7 +266,7 @@ class Engine:
                             h = self._record_layer(op.layer, flat, h, ctx, graphs)
                         else:
                             with torch.no_grad():
-                                w = self._weights(op.tile, flat, grad=False)
+                                w = self.weight_views(op.tile, flat, grad=False)
                                 h = [self._layer(op.layer, w, x, c) for x, c in zip(h, ctx)]
                     elif op.kind == "head":
                         times["forward"] = time.perf_counter() - t0
@@ -320,7 +275,7 @@ class Engine:
                             self.worker.release_moments()  # step's deferred moments may use the host now
                         if off is not None and self._first_recompute is not None:
                             off.prefetch(self._first_recompute)  # comes back while the head computes
-                        grads_out, losses, head_grad = self._head(h, labels, norm_scale, sq_norm)
+                        grads_out, losses, head_grad = run_head(self, h, labels, norm_scale, sq_norm)
                         h = []
                         times["head"] = time.perf_counter() - t0
                         t0 = time.perf_counter()
@@ -372,7 +327,7 @@ class Engine:
     def _record_layer(self, i: int, flat, h, ctx, graphs) -> list[torch.Tensor]:
         """Run layer i on every micro-batch with autograd; the graph refers to weights by tile."""
         tile = f"layers.{i}"
-        w = self._weights(tile, flat, grad=True)
+        w = self.weight_views(tile, flat, grad=True)
         xs = [x.detach().requires_grad_() for x in h]
         with torch.enable_grad(), self.redirect.hooks():
             ys = [self._layer(i, w, x, c) for x, c in zip(xs, ctx)]
@@ -383,7 +338,7 @@ class Engine:
         xs, ys, w = graphs.pop(i)
         names = list(w)
         layout = self.store.layouts[f"layers.{i}"]
-        acc = self._grad_zeros(f"layers.{i}")
+        acc = self.grad_zeros(f"layers.{i}")
         acc_views = layout.views(acc)
         grads_in = []
         for x, y, g in zip(xs, ys, grads_out):
@@ -395,79 +350,6 @@ class Engine:
         sq_norm.add_(sq)
         self.sink.send(f"layers.{i}", acc, sq)
         return grads_in
-
-    def _head(self, h, labels, norm_scale, sq_norm):
-        """Final norm + LM head + cross-entropy, in token chunks so full logits never exist."""
-        flat = self.streamer.acquire("head")
-        w = self._weights("head", flat, grad=False)
-        norm_w = {k[len("norm."):]: v.detach().requires_grad_() for k, v in w.items() if k.startswith("norm.")}
-        if self.adapter.tied:
-            lm_w = self.streamer.acquire("embed").view(self.adapter.vocab_size, -1)
-        else:
-            lm_w = w["lm_head.weight"]
-        if self.adapter.tied:  # the embedding tile's gradient: padded on the distributed path
-            tied_flat = self._grad_zeros("embed")
-            lm_grad = tied_flat[:lm_w.numel()].view(lm_w.shape)
-        else:
-            lm_grad = torch.zeros(lm_w.shape, dtype=torch.float32, device=self.device)
-        norm_grad = {k: torch.zeros(v.shape, dtype=torch.float32, device=self.device) for k, v in norm_w.items()}
-        grads_out, losses = [], []
-        for x, lab in zip(h, labels):
-            x = x.detach().requires_grad_()
-            with torch.enable_grad():
-                normed = run_bound(self.norm_template, norm_w, x)
-            flat_n = normed.detach().reshape(-1, normed.shape[-1])
-            flat_l = lab.reshape(-1)
-            if self._fused_ce is not None:
-                d_normed, loss_sum = self._fused_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale)
-            else:
-                d_normed, loss_sum = self._chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale)
-            n_tok = int((flat_l != IGNORE_INDEX).sum())
-            out = torch.autograd.grad(normed, [x, *norm_w.values()], d_normed.view_as(normed))
-            grads_out.append(out[0])
-            for name, g in zip(norm_w, out[1:]):
-                norm_grad[name].add_(g)
-            losses.append((loss_sum / max(1, n_tok), n_tok))
-        head_layout = self.store.layouts["head"]
-        head_acc = self._grad_zeros("head")
-        views = head_layout.views(head_acc)
-        for name, g in norm_grad.items():
-            views["norm." + name].copy_(g)
-        if not self.adapter.tied:
-            views["lm_head.weight"].copy_(lm_grad)
-        sq = torch.dot(head_acc, head_acc)
-        sq_norm.add_(sq)
-        self.sink.send("head", head_acc, sq)
-        # Tied: the whole embedding tile's gradient, sent after the embedding rows are added; else sent now.
-        return grads_out, losses, (tied_flat if self.adapter.tied else None)
-
-    def _chunked_loss(self, flat_n, flat_l, lm_w, lm_grad, norm_scale) -> tuple[torch.Tensor, float]:
-        """The PyTorch head loss: per token chunk a matmul, cross-entropy on fp32 logits and autograd;
-        adds the LM-head gradient to lm_grad; returns (d loss*norm_scale / d flat_n, unscaled loss sum)."""
-        d_normed = torch.zeros_like(flat_n)
-        loss_sum = 0.0
-        for lo in range(0, flat_n.shape[0], self.chunk):
-            hi = min(lo + self.chunk, flat_n.shape[0])
-            if not bool((flat_l[lo:hi] != IGNORE_INDEX).any()):
-                continue
-            n_c = flat_n[lo:hi].detach().requires_grad_()
-            w_c = lm_w.detach().requires_grad_()
-            with torch.enable_grad():
-                logits = n_c @ w_c.t()
-                l_sum = torch.nn.functional.cross_entropy(logits.float(), flat_l[lo:hi],
-                                                          ignore_index=IGNORE_INDEX, reduction="sum")
-            gn, gw = torch.autograd.grad(l_sum * norm_scale, [n_c, w_c])
-            d_normed[lo:hi] = gn
-            lm_grad.add_(gw)
-            loss_sum += float(l_sum.detach())
-        return d_normed, loss_sum
-
-    def _fused_loss(self, flat_n, flat_l, lm_w, lm_grad, norm_scale) -> tuple[torch.Tensor, float]:
-        """The same through kernels.fused_linear_cross_entropy: no autograd, one [chunk, V] logits buffer
-        that becomes its own gradient, the LM-head gradient accumulated in lm_grad (fp32) in place."""
-        loss, d_normed, _ = self._fused_ce(flat_n, lm_w, flat_l.to(torch.int64), ignore_index=IGNORE_INDEX,
-                                           chunk_tokens=self.chunk, scale=norm_scale, grad_weight=lm_grad)
-        return d_normed, float(loss) / norm_scale  # the kernel's loss is scaled; the engine reports sums
 
     def _embed_backward(self, grads_out, uniq, inv_dev, offsets, tied_flat, sq_norm) -> None:
         H = self.adapter.hidden_size

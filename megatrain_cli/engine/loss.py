@@ -1,0 +1,43 @@
+"""The LM head's loss over one micro-batch's normalised hidden states, in token chunks so the full
+[tokens, vocab] logits never exist: one [chunk, vocab] logits buffer at a time (fp32 for the loss).
+
+`chunked_loss` is the PyTorch path (a matmul, cross-entropy and autograd per chunk); `fused_loss` runs
+kernels.fused_linear_cross_entropy (no autograd; the logits buffer becomes its own gradient). Both add
+the LM-head gradient into `lm_grad` (fp32) in place and return (d loss * norm_scale / d hidden, loss sum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatrain_cli.batch import IGNORE_INDEX
+
+
+def chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int) -> tuple[torch.Tensor, float]:
+    """The PyTorch head loss: per token chunk a matmul, cross-entropy on fp32 logits and autograd;
+    adds the LM-head gradient to lm_grad; returns (d loss*norm_scale / d flat_n, unscaled loss sum)."""
+    d_normed = torch.zeros_like(flat_n)
+    loss_sum = 0.0
+    for lo in range(0, flat_n.shape[0], chunk):
+        hi = min(lo + chunk, flat_n.shape[0])
+        if not bool((flat_l[lo:hi] != IGNORE_INDEX).any()):
+            continue
+        n_c = flat_n[lo:hi].detach().requires_grad_()
+        w_c = lm_w.detach().requires_grad_()
+        with torch.enable_grad():
+            logits = n_c @ w_c.t()
+            l_sum = torch.nn.functional.cross_entropy(logits.float(), flat_l[lo:hi],
+                                                      ignore_index=IGNORE_INDEX, reduction="sum")
+        gn, gw = torch.autograd.grad(l_sum * norm_scale, [n_c, w_c])
+        d_normed[lo:hi] = gn
+        lm_grad.add_(gw)
+        loss_sum += float(l_sum.detach())
+    return d_normed, loss_sum
+
+
+def fused_loss(fused_ce, flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int) -> tuple[torch.Tensor, float]:
+    """The same through kernels.fused_linear_cross_entropy: no autograd, one [chunk, V] logits buffer
+    that becomes its own gradient, the LM-head gradient accumulated in lm_grad (fp32) in place."""
+    loss, d_normed, _ = fused_ce(flat_n, lm_w, flat_l.to(torch.int64), ignore_index=IGNORE_INDEX,
+                                 chunk_tokens=chunk, scale=norm_scale, grad_weight=lm_grad)
+    return d_normed, float(loss) / norm_scale  # the kernel's loss is scaled; the engine reports sums
