@@ -19,7 +19,7 @@ STEPS, ACCUM = 3, 2
 
 
 def train(device, dtype, *, arch="Qwen2ForCausalLM", tied=False, layers=5, interval=2, overlap=True,
-          hidden=64, seed=3, keep_blocks=frozenset(), max_grad_norm=0.5):
+          hidden=64, seed=3, keep_blocks=frozenset(), max_grad_norm=0.5, **engine_kwargs):
     config = tiny_config(arch, tied=tied, layers=layers, hidden=hidden, inter=hidden * 3)
     store = build_store(config, dtype, seed=seed)
     cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=1,
@@ -27,7 +27,8 @@ def train(device, dtype, *, arch="Qwen2ForCausalLM", tied=False, layers=5, inter
     batches = random_batches(config.vocab_size, STEPS, ACCUM, batch=2, seq=32, seed=5)
     start = {k: v.clone() for k, v in store.hf_state_dict().items()}
     engine = Engine(store, cfg, device=torch.device(device), checkpoint_interval=interval,
-                    loss_chunk_tokens=24, overlap_optimizer=overlap, grad_slabs=3, keep_blocks=keep_blocks)
+                    loss_chunk_tokens=24, overlap_optimizer=overlap, grad_slabs=3, keep_blocks=keep_blocks,
+                    **engine_kwargs)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     engine.close()
     return config, store, start, batches, cfg, results
@@ -115,23 +116,21 @@ def test_device_holds_at_most_two_layers_of_weights():
     assert peak24 < 10 * layer_bytes, (peak24, layer_bytes)
 
 
-def test_cpp_host_kernel_and_deferred_moments_on_the_cuda_pipeline(monkeypatch):
+def test_cpp_host_kernel_and_deferred_moments_on_the_cuda_pipeline():
     """The C++ host AdamW with deferred moments (the gradients of step t+1 land through the pinned slabs
     only after step t's moments pass) gives the single-pass C++ update's results bit for bit on clipped
     steps, and the torch path's to fp32 rounding (bit-identical where torch's build contracts as the
     kernel assumes: tests/test_host_kernels.py)."""
-    from megatrain_cli.optim import adamw_cpp as host_kernels
-    from megatrain_cli.optim.host_adamw import DEFER_ENV, KERNEL_ENV
+    from megatrain_cli.optim import adamw_cpp
 
-    if not host_kernels.available():
+    if not adamw_cpp.available():
         pytest.skip("the C++ host kernel does not compile here")
     runs = {}
-    for kernel, defer in (("torch", "0"), ("cpp", "0"), ("cpp", "1")):
-        monkeypatch.setenv(KERNEL_ENV, kernel)
-        monkeypatch.setenv(DEFER_ENV, defer)
+    for kernel, defer in (("torch", False), ("cpp", False), ("cpp", True)):
         with math_attention():
-            _, store, _, _, _, res = train("cuda", torch.bfloat16, layers=6, interval=3, max_grad_norm=1e-3)
-        runs[kernel + defer] = ([r.losses for r in res], store)
+            _, store, _, _, _, res = train("cuda", torch.bfloat16, layers=6, interval=3, max_grad_norm=1e-3,
+                                           host_adamw=kernel, defer_moments=defer)
+        runs[f"{kernel}{int(defer)}"] = ([r.losses for r in res], store)
     assert runs["cpp1"][0] == runs["cpp0"][0]
     for name, tile in runs["cpp0"][1].tiles.items():
         other, torch_path = runs["cpp1"][1].tiles[name], runs["torch0"][1].tiles[name]

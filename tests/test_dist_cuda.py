@@ -65,7 +65,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from megatrain_cli.engine.transfer.sharded_cuda import DistCudaStreamer
     from megatrain_cli.engine.dist import init_distributed, leave_process_group, split_micro_batches
     from megatrain_cli.engine.transfer.sharded import DistStreamer
-    from megatrain_cli.store.sharded import build_sharded_store
+    from megatrain_cli.models.loader import build_sharded_store
 
     ctx = init_distributed("cuda", init_method=f"file://{init_file}", rank=rank, world_size=world)
     assert os.environ["NCCL_NVLS_ENABLE"] == "0" and ctx.device == torch.device("cuda", rank)

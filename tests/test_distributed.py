@@ -25,7 +25,8 @@ from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import HostAdamW, lr_at
 from megatrain_cli.recipe import TrainConfig
-from megatrain_cli.store.sharded import ShardedHostStore, build_sharded_store
+from megatrain_cli.models.loader import build_sharded_store
+from megatrain_cli.store.sharded import ShardedHostStore
 from tests.reference import random_batches, tiny_config
 
 STEPS, WORLD = 3, 2
@@ -96,7 +97,7 @@ def _cuda_stand_ins() -> None:
 
 def _overlapped_pair(engine: Engine, store, ctx) -> None:
     """Put DistCudaStreamer / DistCudaGradSink in the engine, wired as Engine.__init__ wires them on CUDA."""
-    from megatrain_cli.engine import dist_pipeline
+    from megatrain_cli.engine.transfer import sharded_cuda as dist_pipeline
     from megatrain_cli.engine.templates import WeightRedirect
 
     worker = engine.worker
@@ -113,7 +114,7 @@ def _overlapped_pair(engine: Engine, store, ctx) -> None:
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from megatrain_cli.engine import dist_pipeline
+    from megatrain_cli.engine.transfer import sharded_cuda as dist_pipeline
     from megatrain_cli.engine.dist import init_distributed, leave_process_group, split_micro_batches
 
     torch.set_num_threads(1)

@@ -1,5 +1,5 @@
 """The overlapped CUDA path: three streams ordered by events, pinned staging, a packer thread, and
-gradient slabs drained by a host thread. Same interface as transfers.WeightStreamer / GradSink.
+gradient slabs drained by a host thread. Same interface as reference.WeightStreamer / GradSink.
 
     compute stream   the layers (torch's current stream)
     H2D stream       weights: pinned staging -> device slot; waits on the slot's Buffer-Free event,
@@ -9,9 +9,13 @@ gradient slabs drained by a host thread. Same interface as transfers.WeightStrea
 
 Costs, per layer: one host cast fp32 -> bf16 into pinned memory (the packer thread, overlapping
 compute: torch releases the GIL in copy_; after a clipped step, the tile's weights update in the same
-pass instead, when the engine hands it over: optim/worker.py read-through), one H2D burst, and on the way back one D2H burst plus one
-host copy into the tile. The only host-side waits on the hot path are the packer's, on its own
-staging buffers, in its own thread; the compute thread waits only when a transfer is late.
+pass instead, when the engine hands it over: optim/worker.py: update on read), one H2D burst, and on the
+way back one D2H burst plus one host copy into the tile. The only host-side waits on the hot path are
+the packer's, on its own staging buffers, in its own thread; the compute thread waits only when a
+transfer is late.
+
+The slots and their residency are slots.SlotPool's (with events); `place` (slots.WholeTiles, or the
+sharded path's sharded_cuda.OverlappedShards) says where the H2D lands and what fills the rest.
 """
 
 from __future__ import annotations
@@ -19,45 +23,33 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from functools import partial
 
 import torch
 
-from megatrain_cli.engine.transfer.reference import GradSink, Slot, TransferStats, WeightStreamer
+from megatrain_cli.engine.transfer.reference import GradSink
+from megatrain_cli.engine.transfer.slots import Slot, StreamerBase, TransferStats, WholeTiles
 from megatrain_cli.machine import limit_this_thread
 from megatrain_cli.store.tiles import HostStore
 
 
-class _DeviceSlot(Slot):
-    def __init__(self, buffer: torch.Tensor):
-        super().__init__(buffer)
-        self.ready = torch.cuda.Event()  # Weights-Ready: recorded on H2D after the copy
-        self.free = torch.cuda.Event()  # Buffer-Free: recorded on compute after the last use
-        self.free.record()  # nothing uses a new slot
-        self.pending: Future | None = None
+class CudaStreamer(StreamerBase):
+    """acquire(tile) has the packer enqueue the tile's transfer unless it is in flight, makes the compute
+    stream wait on Weights-Ready (a host wait only while the packer has not enqueued it yet) and starts
+    the next tile in fetch order. `place`: slots.WholeTiles unless given (sharded_cuda.DistCudaStreamer's
+    all-gathers on a side stream)."""
 
-
-class CudaStreamer(WeightStreamer):
     def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, *, layer_slots: int = 2,
                  staging_numel: int | None = None, double_buffer: bool = True, before_read=None,
-                 packer_threads: int | None = None):
-        self.store, self.device, self.dtype = store, device, dtype
-        big = store.largest_layer_numel()
-        self.layer_slots = [_DeviceSlot(torch.empty(big, dtype=dtype, device=device)) for _ in range(layer_slots)]
-        self.head_slot = _DeviceSlot(torch.empty(store.layouts["head"].numel, dtype=dtype, device=device))
-        self.embed_slot = None
-        if store.adapter.tied:
-            self.embed_slot = _DeviceSlot(torch.empty(store.layouts["embed"].numel, dtype=dtype, device=device))
-        self._lru = list(self.layer_slots)
-        self.stats = TransferStats()
-        self.on_bind = None
-        self.before_read = before_read  # tile -> None; blocks until the optimizer is done with it
-        self.claim = None  # tile -> ReadThroughUpdate | None (WeightStreamer._claim_or_wait)
+                 packer_threads: int | None = None, place=None):
+        place = place if place is not None else WholeTiles(store)
+        super().__init__(store, device, dtype, place, layer_slots=layer_slots, before_read=before_read,
+                         events=True)  # the slots get their Weights-Ready / Buffer-Free events
         self.double_buffer = double_buffer
         # Two pinned staging buffers: the packer fills one while the other is in flight.
-        self.staging_numel = staging_numel or big
+        self.staging_numel = staging_numel or place.largest_layer()
         self.staging = self._pinned_staging(self.staging_numel)
         self.chunk_numel = self.staging_numel  # elements per _copy_chunk
         self.staging_done = [torch.cuda.Event() for _ in range(2)]
@@ -67,7 +59,7 @@ class CudaStreamer(WeightStreamer):
                                           initializer=limit_this_thread, initargs=(packer_threads,))
         self._order: list[str] = []
         self._cursor = 0
-        self._current: _DeviceSlot | None = None
+        self._current: Slot | None = None
         self._stalls: list = []
         self.wait_s = 0.0  # host time the compute thread spent waiting for late weights
 
@@ -99,7 +91,12 @@ class CudaStreamer(WeightStreamer):
         self._stalls.append((before, after))
 
     # ------------------------------------------------------------ transfers (packer thread)
-    def _transfer(self, tile: str, slot: _DeviceSlot) -> None:
+    def _transfer(self, tile: str, slot: Slot) -> None:
+        """Packer thread: this process's part of the tile into the slot, chunk by chunk, after Buffer-Free.
+        The placement's hooks end it: `h2d_landed` is the event the H2D records (one GPU: Weights-Ready),
+        `assemble` fills the rest of the slot behind it (one GPU: nothing; sharded: the all-gather, which
+        records Weights-Ready)."""
+        mine = self.place.landing(tile, slot)  # one GPU: the slot's buffer; sharded: this rank's slice
         update = self._claim_or_wait(tile)
         # The claimed update is entered first: whatever fails after the claim closes it with the error
         # (a claim left open would hang every later wait for the tile instead of raising).
@@ -110,8 +107,9 @@ class CudaStreamer(WeightStreamer):
             for k, lo in enumerate(range(0, n, self.chunk_numel)):
                 hi = min(n, lo + self.chunk_numel)
                 fill = None if update is None else partial(update.apply, lo, hi)
-                self._copy_chunk(k, master[lo:hi], slot.buffer[lo:hi], fill)
-            slot.ready.record(self.h2d)
+                self._copy_chunk(k, master[lo:hi], mine[lo:hi], fill)
+            self.place.h2d_landed(slot).record(self.h2d)
+        self.place.assemble(tile, slot, mine)
 
     def _copy_chunk(self, k: int, src: torch.Tensor, dst: torch.Tensor, fill=None) -> None:
         """Chunk k of a transfer, on the H2D stream: cast on the host into pinned staging, then DMA.
@@ -126,11 +124,9 @@ class CudaStreamer(WeightStreamer):
         dst.copy_(self.staging[i][:n], non_blocking=True)
         self.staging_done[i].record(self.h2d)
 
-    def _start(self, tile: str, slot: _DeviceSlot) -> None:
+    def _start(self, tile: str, slot: Slot) -> None:
         slot.tile = tile
-        numel = self.store.layouts[tile].numel
-        self.stats.h2d_bytes += numel * slot.buffer.element_size()
-        self.stats.h2d_count[tile] = self.stats.h2d_count.get(tile, 0) + 1
+        self.place.count(self.stats, tile, slot)
         slot.pending = self._packer.submit(self._transfer, tile, slot)
 
     def _prefetch_next(self, current: str) -> None:
@@ -140,10 +136,10 @@ class CudaStreamer(WeightStreamer):
         if not self.double_buffer or self._cursor >= len(self._order):
             return
         nxt = self._order[self._cursor]
-        slot = self._slot_for(nxt)
+        slot = self.slots.slot_for(nxt)
         if slot.tile == nxt:
             return  # already resident or in flight
-        if slot in self._lru and self._lru[-1] is slot:
+        if self.slots.in_use(slot):
             return  # would evict the tile in use
         self._start(nxt, slot)
 
@@ -153,13 +149,11 @@ class CudaStreamer(WeightStreamer):
             self._cursor = self._order.index(tile, self._cursor)
         except ValueError:
             pass
-        slot = self._slot_for(tile)
+        slot = self.slots.slot_for(tile)
         if self._current is not None and self._current is not slot and self._current.tile is not None:
             self._current.free.record(self.compute)  # Buffer-Free for the slot we are leaving
         self._current = slot
-        if slot in self._lru:
-            self._lru.remove(slot)
-            self._lru.append(slot)
+        self.slots.use(slot)
         if slot.tile != tile:
             self._start(tile, slot)
         # `before` goes in ahead of the host-side wait: if the packer is late (e.g. held back by the
@@ -181,10 +175,11 @@ class CudaStreamer(WeightStreamer):
         return flat
 
     def invalidate(self) -> None:
-        for s in [*self.layer_slots, self.head_slot, self.embed_slot]:
-            if s is not None:
-                s.free.record(self.compute)
-                s.tile = None
+        """Forget residency (after the optimizer changed the masters); every slot is free from here on
+        the compute stream."""
+        for s in self.slots.all():
+            s.free.record(self.compute)
+            s.tile = None
         self._current = None
 
     def close(self) -> None:
@@ -195,8 +190,11 @@ class CudaGradSink(GradSink):
     """K pinned slabs between the device and the host tiles; a host thread lands them."""
 
     def __init__(self, store: HostStore, stats: TransferStats, device: torch.device, *, slabs: int = 12,
-                 slab_numel: int | None = None):
+                 slab_numel: int | None = None, lander_sets_device: bool = False):
         super().__init__(store, stats)
+        self.device = device
+        # A new thread starts on device 0: the lander selects `device` first when asked (one rank per GPU).
+        self._lander_sets_device = lander_sets_device
         self.grad_dtype = store.compute_dtype
         self.slab_numel = slab_numel or store.largest_layer_numel()
         self.slabs = [torch.empty(self.slab_numel, dtype=self.grad_dtype, pin_memory=True) for _ in range(slabs)]
@@ -214,6 +212,8 @@ class CudaGradSink(GradSink):
         return sum(s.numel() * s.element_size() for s in self.slabs)
 
     def _drain(self) -> None:
+        if self._lander_sets_device:
+            torch.cuda.set_device(self.device)  # its event waits on this process's GPU
         while True:
             item = self._work.get()
             if item is None:
@@ -235,9 +235,13 @@ class CudaGradSink(GradSink):
                 self._free.put(slab_index)
                 self._work.task_done()
 
-    def _send_flat(self, tile: str, dst: torch.Tensor, grad: torch.Tensor, sq_norm: torch.Tensor | None) -> None:
+    def _send_flat(self, tile: str, dst: torch.Tensor, grad: torch.Tensor, sq_norm: torch.Tensor | None,
+                   made_on: torch.cuda.Stream) -> None:
+        """`grad` (and `sq_norm`), made on stream `made_on`, through the slabs into `dst` on the host: a
+        device-side cast to the grad dtype, one D2H per slab-sized chunk, the lander's host copy. No host
+        wait unless all K slabs are in flight."""
         done = torch.cuda.Event()
-        done.record(self.compute)  # Backward-Done for this gradient
+        done.record(made_on)  # Backward-Done for this gradient
         # The device gradient is freed by the compute thread once it goes out of scope: tell the
         # caching allocator the D2H stream still reads it.
         grad.record_stream(self.d2h)
@@ -263,7 +267,7 @@ class CudaGradSink(GradSink):
         self.stats.d2h_bytes += grad.numel() * self.slabs[0].element_size()
 
     def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
-        self._send_flat(tile, self.store.tiles[tile].grad, grad, sq_norm)
+        self._send_flat(tile, self.store.tiles[tile].grad, grad, sq_norm, self.compute)
 
     def finish(self) -> None:
         self._work.join()

@@ -9,6 +9,7 @@ from typing import Any, Container, Hashable
 
 import torch
 
+
 @dataclass
 class _Offloaded:
     host: list  # pinned (CUDA) or plain (CPU) host copies
@@ -27,7 +28,8 @@ class CheckpointOffloader:
     get(key) waits for it on the compute stream (not the host) and returns the tensor(s), then
     forgets the key. Keys not in `offload_keys` (None: every key) stay on the device, so the engine
     can route every checkpoint through here. Pinned buffers are kept per key and reused next step:
-    pinning 3.76 GB costs about a second, a reuse nothing. On a CPU device the copies are plain.
+    pinning (cudaHostAlloc) is a long host stall that grows with the bytes, a reuse costs nothing. On a
+    CPU device the copies are plain.
     """
 
     def __init__(self, device: torch.device, offload_keys: Container[Hashable] | None = None):
@@ -119,8 +121,8 @@ class CheckpointOffloader:
 
     def reserve(self, key: Hashable, like: list[tuple[tuple[int, ...], torch.dtype]]) -> int:
         """Pin the host buffers for `key` now (one per (shape, dtype)), so the first put() does not stop
-        the forward for cudaHostAlloc (2.4 s per 4 GiB measured). Returns the bytes pinned; 0 for keys
-        that stay on the device, and on a CPU device (nothing to pin)."""
+        the forward for cudaHostAlloc. Returns the bytes pinned; 0 for keys that stay on the device, and
+        on a CPU device (nothing to pin)."""
         if not self.cuda or not self.offloads(key):
             return 0
         bufs = self._buffers.get(key)

@@ -38,49 +38,62 @@ Global quantities (the only extra host syncs; one process has the first and the 
 Collectives per step: one all-gather per layer transfer (2-3 per layer, as the schedule's
 transfers_per_layer), one reduce-scatter per layer, one each for the head; the embedding's three
 (or, tied, one all-gather + one reduce-scatter); the two scalar all-reduces. Every rank issues them in
-schedule order. The classes here are the synchronous reference path (like transfers.WeightStreamer):
-the training thread issues all of them on the default group, one after the other. The overlapped CUDA
-path (dist_pipeline.py) issues the weight all-gathers from the packer thread on `weight_group`, a
-second NCCL communicator, and everything else from the training thread on the default group: one
-thread per communicator, so each sees the same ordered sequence on every rank (the optimizer worker
-and the gradient lander run no collective). `DistContext.overlap = False` keeps a CUDA run on the
-classes here.
+schedule order. The streamer and sink here are the synchronous reference path (reference.py's, with a
+sharded placement): the training thread issues all of them on the default group, one after the other.
+The overlapped CUDA path (sharded_cuda.py) issues the weight all-gathers from the packer thread on
+`weight_group`, a second NCCL communicator, and everything else from the training thread on the default
+group: one thread per communicator, so each sees the same ordered sequence on every rank (the optimizer
+worker and the gradient lander run no collective). `DistContext.overlap = False` keeps a CUDA run on
+the classes here.
 
 Host tensors (gathering the masters for tests / export) go through `cpu_group`, a gloo group; under
 NCCL the device collectives use the default group.
-"""
 
+The pieces, shared with sharded_cuda.py: `Shards` (where a rank's shard lands in the whole-tile slot,
+and the all-gather that fills the rest), `RowsFromOwners` (the embedding rows above) and `ShardReducer`
+(reduce-scatter, the norm share, the row gradients); the streamers and sinks hold them.
+"""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from megatrain_cli.engine.dist import DistContext
-from megatrain_cli.engine.transfer.reference import GradSink, Slot, TransferStats, WeightStreamer
+from megatrain_cli.engine.transfer.reference import GradSink, WeightStreamer
+from megatrain_cli.engine.transfer.slots import Slot, TransferStats
 from megatrain_cli.store.sharded import ShardedHostStore
 
 
+class Shards:
+    """The sharded placement: slots sized to whole tiles padded to N shards; this rank's shard lands in
+    its slice (over its own link: 1/N of the bytes), a blocking all-gather on the default group fills
+    the others' (sharded_cuda.OverlappedShards issues it on a side stream instead)."""
+
+    def __init__(self, store: ShardedHostStore, ctx: DistContext):
+        self.store, self.ctx = store, ctx
+
+    def largest_layer(self) -> int:
+        return self.store.largest_padded_layer_numel()
+
+    def numel(self, tile: str) -> int:
+        return self.store.padded_numel(tile)
+
+    def landing(self, tile: str, slot: Slot) -> torch.Tensor:
+        spec = self.store.shards[tile]
+        return slot.buffer[spec.start:spec.stop]
+
+    def count(self, stats: TransferStats, tile: str, slot: Slot) -> None:
+        stats.count_gather(tile, self.store.shards[tile], slot.buffer.element_size())
+
+    def assemble(self, tile: str, slot: Slot, mine: torch.Tensor) -> None:
+        """All-gather in place: every rank's slice of the padded tile, on the calling thread."""
+        self.ctx.all_gather(slot.buffer[:self.store.shards[tile].padded], mine)
+
+
 @dataclass
-class DistStats(TransferStats):
-    gathered_bytes: int = 0  # bytes assembled by all-gathers (the whole layers), per rank
-    reduced_bytes: int = 0  # bytes entering reduce-scatters / all-reduces, per rank
-
-    def reset(self) -> None:
-        super().reset()
-        self.gathered_bytes = self.reduced_bytes = 0
-
-    def count_gather(self, tile: str, spec, element_size: int) -> None:
-        """One transfer of `tile`: this rank's shard over its link, the whole (padded) tile assembled."""
-        self.h2d_bytes += spec.shard * element_size
-        self.gathered_bytes += spec.padded * element_size
-        self.h2d_count[tile] = self.h2d_count.get(tile, 0) + 1
-
-
-@dataclass
-class _RowPlan:
+class RowPlan:
     """The step's embedding rows: the global used set and this rank's part of it."""
 
     used: torch.Tensor  # [|U|] sorted token ids (device)
@@ -91,20 +104,22 @@ class _RowPlan:
 
 
 class RowsFromOwners:
-    """embed_rows: the step's embedding rows from the ranks that own them (module docstring). Mixed into
-    DistStreamer and dist_pipeline.DistCudaStreamer; uses their store, device, dtype, ctx, stats (DistStats),
-    before_read and acquire, and leaves the step's row plan in `rows` for the sink's send_rows."""
+    """The step's embedding rows from the ranks that own them (module docstring). Held by the sharded
+    streamers (their embed_rows); leaves the step's row plan in `plan` for ShardReducer.reduce_rows."""
 
-    rows: _RowPlan | None = None
+    def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext,
+                 stats: TransferStats):
+        self.store, self.device, self.dtype, self.ctx, self.stats = store, device, dtype, ctx, stats
+        self.plan: RowPlan | None = None
 
-    def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
-        """The embedding rows of this rank's unique token ids (host int64, sorted), [u, H] in the compute
-        dtype on the device, in that order. Small and synchronous on every path: two host syncs (the used
-        set's size and bounds) and a pageable H2D of this rank's |U|/N rows."""
+    def embed_rows(self, ids: torch.Tensor, acquire, before_read) -> torch.Tensor:
+        """The embedding rows of this rank's unique token ids (`ids`: on the device, sorted), [u, H] in the
+        compute dtype, in that order. Tied: read from the whole table, `acquire("embed")`. Else two host
+        syncs (the used set's size and bounds), a pageable H2D of this rank's |U|/N rows and two
+        all-reduces (the used-row marks, the rows)."""
         V, H = self.store.adapter.vocab_size, self.store.adapter.hidden_size
-        ids = uniq.to(self.device)
         if self.store.adapter.tied:
-            return self.acquire("embed").view(V, H)[ids]
+            return acquire("embed").view(V, H)[ids]
         mark = torch.zeros(V, dtype=torch.int32, device=self.device)
         mark[ids] = 1
         self.ctx.all_reduce(mark)  # counts of ranks using each row
@@ -115,78 +130,45 @@ class RowsFromOwners:
         lo, hi = (int(b) for b in bounds.tolist())
         local = (used[lo:hi] - first).cpu()
         buf = torch.zeros(used.numel(), H, dtype=self.dtype, device=self.device)
-        if self.before_read is not None:
-            self.before_read("embed")
+        if before_read is not None:
+            before_read("embed")
         buf[lo:hi] = self.store.tiles["embed"].master.view(rows_per, H)[local].to(self.device, self.dtype)
         self.ctx.all_reduce(buf)  # one non-zero term per element: exact
-        self.rows = _RowPlan(used, lo, hi, local, torch.searchsorted(used, ids))
+        self.plan = RowPlan(used, lo, hi, local, torch.searchsorted(used, ids))
         # (not in h2d_bytes: one process does not count its embedding rows there either)
         self.stats.reduced_bytes += buf.numel() * buf.element_size() + mark.numel() * 4
-        return buf[self.rows.pos]
+        return buf[self.plan.pos]
 
 
-class DistStreamer(RowsFromOwners, WeightStreamer):
-    """WeightStreamer over a ShardedHostStore: shard H2D, then an all-gather into the whole-layer slot."""
+class DistStreamer(WeightStreamer):
+    """WeightStreamer over a ShardedHostStore: shard copy, then an all-gather into the whole-layer slot."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
                  layer_slots: int = 2, before_read=None):
-        self.store, self.device, self.dtype, self.ctx = store, device, dtype, ctx
-        big = store.largest_padded_layer_numel()
-        self.layer_slots = [Slot(torch.empty(big, dtype=dtype, device=device)) for _ in range(layer_slots)]
-        self.head_slot = Slot(torch.empty(store.padded_numel("head"), dtype=dtype, device=device))
-        self.embed_slot: Slot | None = None
-        if store.adapter.tied:
-            self.embed_slot = Slot(torch.empty(store.padded_numel("embed"), dtype=dtype, device=device))
-        self._lru: list[Slot] = list(self.layer_slots)
-        self.stats = DistStats()
-        self.on_bind = None
-        self.before_read = before_read
-        self.rows = None
-        self._stall = 0.0
+        super().__init__(store, device, dtype, layer_slots, before_read, place=Shards(store, ctx))
+        self.ctx = ctx
+        self.owners = RowsFromOwners(store, device, dtype, ctx, self.stats)
+
+    @property
+    def rows(self) -> RowPlan | None:
+        return self.owners.plan
 
     def begin_step(self, order: list[str]) -> None:
-        self.stats.reset()
-        self.rows = None
-        self._stall = 0.0
+        super().begin_step(order)
+        self.owners.plan = None
 
-    def stall_seconds(self) -> float:
-        """Host seconds in weight transfers this step: on this synchronous path compute waits for all."""
-        return self._stall
-
-    def acquire(self, tile: str) -> torch.Tensor:
-        slot = self._slot_for(tile)
-        if slot in self._lru:
-            self._lru.remove(slot)
-            self._lru.append(slot)
-        if slot.tile != tile:
-            t0 = time.perf_counter()
-            self._gather(tile, slot)
-            self._stall += time.perf_counter() - t0
-            slot.tile = tile
-        flat = slot.flat(self.store.layouts[tile].numel)
-        if self.on_bind is not None:
-            self.on_bind(tile, flat)
-        return flat
-
-    def _gather(self, tile: str, slot: Slot) -> None:
-        if self.before_read is not None:
-            self.before_read(tile)
-        spec = self.store.shards[tile]
-        full = slot.buffer[:spec.padded]
-        mine = full[spec.start:spec.stop]
-        mine.copy_(self.store.tiles[tile].master)  # this rank's shard only, cast fp32 -> compute dtype
-        self.ctx.all_gather(full, mine)
-        self.stats.count_gather(tile, spec, slot.buffer.element_size())
+    def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
+        """RowsFromOwners.embed_rows for this rank's unique token ids (host int64, sorted)."""
+        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.before_read)
 
 
-class ShardedGradients:
-    """What a sink does with a sharded store (mixed into DistGradSink and dist_pipeline.DistCudaGradSink):
-    reduce-scatter a tile's gradient, keep this rank's share of the global squared norm (`take_sq_norm`),
-    land the embedding's row gradients on their owners (`send_rows`). Uses the sink's store, stats
-    (DistStats), finish, _await_tile and _landed."""
+class ShardReducer:
+    """What a sink does with a sharded store: reduce-scatter a tile's gradient, keep this rank's share of
+    the global squared norm (a device scalar: no sync until the step's end), all-reduce the embedding's
+    row gradients. Held by DistGradSink and sharded_cuda.DistCudaGradSink; they land the results."""
 
-    def _attach(self, streamer, ctx: DistContext) -> None:
-        self.streamer, self.ctx = streamer, ctx
+    def __init__(self, store: ShardedHostStore, ctx: DistContext, stats: TransferStats, owners: RowsFromOwners):
+        self.store, self.ctx, self.stats, self.owners = store, ctx, stats, owners
         self._sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
 
     def reset(self) -> None:
@@ -197,7 +179,7 @@ class ShardedGradients:
         sq, self._sq = self._sq, torch.zeros_like(self._sq)
         return sq
 
-    def _reduce(self, tile: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def reduce(self, tile: str, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's shard of the sum over ranks of `grad`, its squared norm), the norm also added to this
         rank's share; on the current stream. `grad`: this rank's fp32 gradient of the whole tile, padded."""
         spec = self.store.shards[tile]
@@ -210,13 +192,11 @@ class ShardedGradients:
         self.stats.reduced_bytes += grad.numel() * grad.element_size()
         return mine, sq
 
-    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor,
-                  sq_norm: torch.Tensor | None = None) -> None:
-        """This rank's row gradients of its unique ids `index` (the order embed_rows saw): summed over
-        ranks on the device; each rank keeps the rows it owns. Synchronous (one D2H of |U|/N rows), after
-        every gradient sent before it has landed (finish: landing order, and the norm share's stream)."""
-        self.finish()
-        plan = self.streamer.rows
+    def reduce_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the rows this rank owns of the sum over ranks, their squared norm, their index in this rank's
+        shard (host)). `rows`: this rank's row gradients of its unique ids, in embed_rows' order. One
+        all-reduce of |U| x H fp32; the norm is added to this rank's share."""
+        plan = self.owners.plan
         if plan is None:
             raise RuntimeError("send_rows before embed_rows in this step")
         H = rows.shape[1]
@@ -226,29 +206,34 @@ class ShardedGradients:
         mine = buf[plan.lo:plan.hi]
         sq = mine.square().sum()
         self._sq.add_(sq)
-        dst = self.store.tiles[tile].grad.view(-1, H)
-        self._await_tile(tile)
-        dst.zero_()
-        dst.index_copy_(0, plan.local, mine.to("cpu", dst.dtype))
-        self.stats.d2h_bytes += mine.numel() * dst.element_size()
         self.stats.reduced_bytes += buf.numel() * buf.element_size()
-        self._landed(tile, sq)
+        return mine, sq, plan.local
 
 
-class DistGradSink(ShardedGradients, GradSink):
+class DistGradSink(GradSink):
     """Gradients leave the device reduce-scattered: each rank's host grad section gets its shard of the
     sum over ranks. Keeps this rank's share of the global squared norm (`take_sq_norm`)."""
 
     def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext):
         super().__init__(store, streamer.stats)
-        self._attach(streamer, ctx)
+        self.shards = ShardReducer(store, ctx, streamer.stats, streamer.owners)
+
+    def reset(self) -> None:
+        self.shards.reset()
+
+    def take_sq_norm(self) -> torch.Tensor:
+        return self.shards.take_sq_norm()
 
     def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
         """`grad`: this rank's fp32 gradient of the whole tile, padded (store.padded_numel). `sq_norm`, the
         local unreduced norm, is not this rank's share of the global one: it is recomputed on the shard."""
-        mine, sq = self._reduce(tile, grad)
-        dst = self.store.tiles[tile].grad
-        self._await_tile(tile)
-        dst.copy_(mine)
-        self.stats.d2h_bytes += mine.numel() * dst.element_size()
-        self._landed(tile, sq)
+        super().send(tile, *self.shards.reduce(tile, grad))
+
+    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor,
+                  sq_norm: torch.Tensor | None = None) -> None:
+        """This rank's row gradients of its unique ids `index` (the order embed_rows saw): summed over
+        ranks on the device; each rank keeps the rows it owns. Synchronous (one D2H of |U|/N rows), after
+        every gradient sent before it has landed."""
+        self.finish()
+        mine, sq, local = self.shards.reduce_rows(rows)
+        self._land_rows(tile, local, mine, sq)

@@ -1,19 +1,20 @@
-"""Data-parallel layer streaming, overlapped on CUDA (issue #11): cuda_pipeline's streams, pinned staging,
+"""Data-parallel layer streaming, overlapped on CUDA (issue #11): cuda.py's streams, pinned staging,
 packer thread and gradient slabs, with each rank moving only ITS shard of a tile over its own PCIe link
 and NCCL assembling the whole layer between the GPUs. The synchronous reference path, the embedding
-rows and the global norm are engine/distributed.py's.
+rows and the global norm are sharded.py's (RowsFromOwners, ShardReducer: held here as there).
 
     packer thread   waits for host AdamW to be done with this rank's shard (before_read), casts the
-                    SHARD fp32 -> compute dtype into pinned staging (CudaStreamer._transfer, as is)
+                    SHARD fp32 -> compute dtype into pinned staging (CudaStreamer._transfer)
     H2D stream      waits Buffer-Free, copies the shard into the rank's slice of the whole-layer slot,
                     records Shard-Landed
     comm stream     waits Shard-Landed, all-gathers in place on the WEIGHT communicator, records
-                    Weights-Ready; compute waits on it before binding the slot (as on one GPU)
+                    Weights-Ready; compute waits on it before binding the slot (as on one GPU);
+                    OverlappedShards, the placement CudaStreamer._transfer ends with
     compute         the layers; records Backward-Done after each tile's fp32 gradient
     reduce stream   waits Backward-Done, reduce-scatters on the GRADIENT communicator (the default group)
                     into an fp32 shard, adds the shard's squared norm to this rank's share (device)
     D2H stream      waits on the reduce stream, casts the shard to the grad dtype and copies it into
-                    pinned slabs (CudaGradSink._send_flat, as is)
+                    pinned slabs (CudaGradSink._send_flat, waiting on the reduce stream)
     lander thread   waits Slab-Full, copies the slab into the host shard's grad, calls on_landed (the
                     optimizer worker starts on the shard), as on one GPU
 
@@ -38,18 +39,17 @@ Costs per tile per rank, N ranks, bf16 compute (one GPU: the whole tile over PCI
               copy per gradient in flight; the weight communicator's NCCL buffers
     syncs     no host wait on the hot path but the packer's on its own staging buffers and the lander's
               on its slabs (their own threads); per step, embed_rows' two and the two scalar all-reduces'
-              (distributed.py), and send_rows waits for every slab before the embedding's rows
+              (sharded.py), and send_rows waits for every slab before the embedding's rows
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from megatrain_cli.engine.transfer.cuda import CudaGradSink, CudaStreamer, _DeviceSlot
 from megatrain_cli.engine.dist import DistContext
-from megatrain_cli.engine.transfer.sharded import DistStats, RowsFromOwners, ShardedGradients
+from megatrain_cli.engine.transfer.cuda import CudaGradSink, CudaStreamer
+from megatrain_cli.engine.transfer.sharded import RowPlan, RowsFromOwners, ShardReducer, Shards
+from megatrain_cli.engine.transfer.slots import Slot
 from megatrain_cli.store.sharded import ShardedHostStore
 
 
@@ -59,107 +59,101 @@ def largest_layer_shard(store: ShardedHostStore) -> int:
     return max(store.shards[name].shard for name in store.layer_names)
 
 
-@dataclass(eq=False)
-class _ShardTarget:
-    """What CudaStreamer._transfer fills: this rank's slice of a whole-tile slot, with the slot's
-    Buffer-Free and, as `ready`, the event that says the shard has landed."""
+class OverlappedShards(Shards):
+    """Shards' placement for CudaStreamer: the H2D of this rank's shard records Shard-Landed (not Weights-
+    Ready); then, on the comm stream, the in-place all-gather on the weight communicator (the packer
+    thread's only collective), which records Weights-Ready. No host wait."""
 
-    buffer: torch.Tensor
-    free: torch.cuda.Event
-    ready: torch.cuda.Event
-
-
-class DistCudaStreamer(RowsFromOwners, CudaStreamer):
-    """CudaStreamer over a ShardedHostStore: the shard through pinned staging, then an all-gather on the
-    weight communicator fills the other ranks' slices (module docstring)."""
-
-    def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
-                 layer_slots: int = 2, double_buffer: bool = True, before_read=None, packer_threads: int | None = None):
-        # CudaStreamer sizes its slots to whole tiles; an all-gather fills shard x N elements, so the layer
-        # slots are made here, padded (layer_slots=0: none is allocated twice).
-        super().__init__(store, device, dtype, layer_slots=0, staging_numel=largest_layer_shard(store),
-                         double_buffer=double_buffer, before_read=before_read, packer_threads=packer_threads)
-        self.ctx, self.rows, self.stats = ctx, None, DistStats()
-        self.layer_slots = [self._slot(store.largest_padded_layer_numel()) for _ in range(layer_slots)]
-        self._lru = list(self.layer_slots)
-        self.head_slot = self._padded(self.head_slot, store.padded_numel("head"))
-        if self.embed_slot is not None:
-            self.embed_slot = self._padded(self.embed_slot, store.padded_numel("embed"))
+    def __init__(self, store: ShardedHostStore, ctx: DistContext, device: torch.device):
+        super().__init__(store, ctx)
+        self.device = device
         self.comm = torch.cuda.Stream(device)
         self._shard_landed = torch.cuda.Event()  # one is enough: only the packer thread records and waits on it
-        # The packer thread's CUDA calls on this rank's GPU (a new thread starts on device 0).
-        self._packer.submit(torch.cuda.set_device, device).result()
-        self._warm_up()
 
-    def _slot(self, numel: int) -> _DeviceSlot:
-        return _DeviceSlot(torch.empty(numel, dtype=self.dtype, device=self.device))
+    def h2d_landed(self, slot: Slot):
+        return self._shard_landed
 
-    def _padded(self, slot: _DeviceSlot, numel: int) -> _DeviceSlot:
-        """`slot` when it holds `numel` elements, else a larger one (the old buffer goes back to the
-        caching allocator, which hands it to the activations)."""
-        return slot if slot.buffer.numel() >= numel else self._slot(numel)
-
-    def _warm_up(self) -> None:
-        """One small all-gather on the weight communicator, now, from this thread: NCCL creates a
-        communicator at its first collective, and there it would be the packer's first transfer, beside
-        the training thread's first collectives on the other one."""
-        probe = torch.zeros(self.ctx.world, dtype=self.dtype, device=self.device)
-        self.ctx.gather_weights(probe, probe[self.ctx.rank:self.ctx.rank + 1])
-
-    def begin_step(self, order: list[str]) -> None:
-        super().begin_step(order)
-        self.rows = None
-
-    def _start(self, tile: str, slot: _DeviceSlot) -> None:
-        slot.tile = tile
-        self.stats.count_gather(tile, self.store.shards[tile], slot.buffer.element_size())
-        slot.pending = self._packer.submit(self._transfer, tile, slot)
-
-    def _transfer(self, tile: str, slot: _DeviceSlot) -> None:
-        """Packer thread: this rank's shard into its slice of the slot (CudaStreamer's transfer, which waits
-        Buffer-Free first), then the all-gather of the other slices behind it; records Weights-Ready."""
-        spec = self.store.shards[tile]
-        full = slot.buffer[:spec.padded]
-        shard = _ShardTarget(full[spec.start:spec.stop], slot.free, self._shard_landed)
-        super()._transfer(tile, shard)
+    def assemble(self, tile: str, slot: Slot, mine: torch.Tensor) -> None:
         with torch.cuda.stream(self.comm):
             # GPU-side: the shard is in place, hence the slot free too (the H2D stream waited on that)
             self.comm.wait_event(self._shard_landed)
-            self.ctx.gather_weights(full, shard.buffer)
+            self.ctx.gather_weights(slot.buffer[:self.store.shards[tile].padded], mine)
             slot.ready.record(self.comm)
 
+    def warm_up(self, dtype: torch.dtype) -> None:
+        """One small all-gather on the weight communicator, now, from this thread: NCCL creates a
+        communicator at its first collective, and there it would be the packer's first transfer, beside
+        the training thread's first collectives on the other one."""
+        probe = torch.zeros(self.ctx.world, dtype=dtype, device=self.device)
+        self.ctx.gather_weights(probe, probe[self.ctx.rank:self.ctx.rank + 1])
 
-class DistCudaGradSink(ShardedGradients, CudaGradSink):
+
+class DistCudaStreamer(CudaStreamer):
+    """CudaStreamer over a ShardedHostStore: the shard through pinned staging, then an all-gather on the
+    weight communicator fills the other ranks' slices (OverlappedShards; module docstring)."""
+
+    def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
+                 layer_slots: int = 2, double_buffer: bool = True, before_read=None, packer_threads: int | None = None):
+        super().__init__(store, device, dtype, layer_slots=layer_slots, staging_numel=largest_layer_shard(store),
+                         double_buffer=double_buffer, before_read=before_read, packer_threads=packer_threads,
+                         place=OverlappedShards(store, ctx, device))
+        self.ctx = ctx
+        self.owners = RowsFromOwners(store, device, dtype, ctx, self.stats)
+        # The packer thread's CUDA calls on this rank's GPU (a new thread starts on device 0).
+        self._packer.submit(torch.cuda.set_device, device).result()
+        self.place.warm_up(dtype)
+
+    @property
+    def rows(self) -> RowPlan | None:
+        return self.owners.plan
+
+    def begin_step(self, order: list[str]) -> None:
+        super().begin_step(order)
+        self.owners.plan = None
+
+    def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
+        """RowsFromOwners.embed_rows for this rank's unique token ids (host int64, sorted); tied, the table
+        comes through acquire (the pipeline)."""
+        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.before_read)
+
+
+class DistCudaGradSink(CudaGradSink):
     """CudaGradSink's slabs and lander for this rank's shards: each gradient is reduce-scattered on a side
     stream first, and only the shard crosses PCIe (module docstring)."""
 
     def __init__(self, store: ShardedHostStore, streamer: DistCudaStreamer, ctx: DistContext, *, slabs: int = 12):
-        self.device = ctx.device  # read by the lander thread, which CudaGradSink starts
-        super().__init__(store, streamer.stats, ctx.device, slabs=slabs, slab_numel=largest_layer_shard(store))
-        self._attach(streamer, ctx)
-        self.backward = self.compute  # the stream the gradients are made on
-        self.reduce = torch.cuda.Stream(ctx.device)
-        # _send_flat's D2H waits on an event it records on `self.compute`: here, on the stream the shard
-        # is reduced on (after the reduce-scatter and the norm).
-        self.compute = self.reduce
+        super().__init__(store, streamer.stats, ctx.device, slabs=slabs, slab_numel=largest_layer_shard(store),
+                         lander_sets_device=True)
+        self.shards = ShardReducer(store, ctx, streamer.stats, streamer.owners)
+        self.reduce = torch.cuda.Stream(ctx.device)  # the reduce-scatters and the norm share; the D2H waits on it
 
-    def _drain(self) -> None:
-        torch.cuda.set_device(self.device)  # its event waits on this rank's GPU (a new thread starts on device 0)
-        super()._drain()
+    def reset(self) -> None:
+        self.shards.reset()
+
+    def take_sq_norm(self) -> torch.Tensor:
+        return self.shards.take_sq_norm()
 
     def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
         """`grad`: this rank's fp32 gradient of the whole tile, padded. `sq_norm` (the local, unreduced
         norm) is not this rank's share of the global one: the share is taken on the reduced shard."""
         done = torch.cuda.Event()
-        done.record(self.backward)  # Backward-Done
+        done.record(self.compute)  # Backward-Done
         grad.record_stream(self.reduce)  # the training thread drops `grad` while the reduce-scatter reads it
         with torch.cuda.stream(self.reduce):
             self.reduce.wait_event(done)
-            mine, sq = self._reduce(tile, grad)  # NCCL reduce-scatter, then the shard's squared norm
+            mine, sq = self.shards.reduce(tile, grad)  # NCCL reduce-scatter, then the shard's squared norm
             sq.record_stream(self.d2h)  # the D2H stream copies it after this function drops it
-            self._send_flat(tile, self.store.tiles[tile].grad, mine, sq)
+            self._send_flat(tile, self.store.tiles[tile].grad, mine, sq, self.reduce)
+
+    def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor,
+                  sq_norm: torch.Tensor | None = None) -> None:
+        """sharded.DistGradSink.send_rows: after every slab has landed and the reduce stream's norm adds
+        (finish), one all-reduce of the rows and a blocking D2H of this rank's |U|/N."""
+        self.finish()
+        mine, sq, local = self.shards.reduce_rows(rows)
+        self._land_rows(tile, local, mine, sq)
 
     def finish(self) -> None:
         super().finish()  # every slab has landed
         # The compute stream reads this rank's norm share next (take_sq_norm, send_rows): after the adds.
-        self.backward.wait_stream(self.reduce)
+        self.compute.wait_stream(self.reduce)
