@@ -20,6 +20,9 @@ recipes_app = typer.Typer(no_args_is_help=True, help="List and copy the shipped 
 app.add_typer(recipes_app, name="recipes")
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
+# The --help epilogue of `train` and `bench`: every recipe key with its type, default and doc.
+RECIPE_KEYS = ("Recipe keys (override any as key.sub=value, delete as ~key.sub):\n\n"
+               + schema_help().replace("\n", "\n\n"))
 
 
 def _recipes_dir() -> Path:
@@ -45,9 +48,7 @@ def _root(version: bool = typer.Option(False, "--version", callback=_version, is
     pass
 
 
-@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-             epilog="Recipe keys (override any as key.sub=value, delete as ~key.sub):\n\n"
-                    + schema_help().replace("\n", "\n\n"))
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, epilog=RECIPE_KEYS)
 def train(ctx: typer.Context,
           recipe: Path = typer.Argument(..., help="Recipe YAML (see `megatrain recipes ls`)."),
           dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved recipe and the memory "
@@ -73,177 +74,140 @@ def train(ctx: typer.Context,
     raise typer.Exit(code)
 
 
-@app.command()
-def bench(model: str = typer.Option("7b", help="Preset: tiny, 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b, llama3-8b."),
-          seq: str = typer.Option("4096", help="Tokens per sequence (512k = 524288)."),
-          batch: int = typer.Option(8, help="Sequences per step."),
-          steps: int = typer.Option(3, help="Timed steps (after one warm-up step)."),
-          layers: Optional[int] = typer.Option(None, help="Run N layers instead of the preset's (same layer shape; "
-                                               "the results say '7b[N of 28 layers]'). On the long-context path "
-                                               "the whole model's step is extrapolated from the measured per-layer "
-                                               "times and its memory plan is printed."),
-          grad_accum: int = typer.Option(1, help="Micro-batches per step (batch each)."),
-          checkpoint_interval: int = typer.Option(4, help="Layers per recompute block."),
-          layer_slots: int = typer.Option(2, help="Device weight buffers for layers (>= 2)."),
-          max_gpu_mem: Optional[str] = typer.Option(None, help="Device-memory budget, e.g. 24GiB."),
-          baseline: Optional[str] = typer.Option(None, help="Also run: native, deepspeed, or both "
-                                                 "(native,deepspeed)."),
-          keep_activations: str = typer.Option("auto", help="Last blocks keeping their activations (no "
-                                               "recompute): auto (fill the device budget) or N."),
-          max_grad_norm: float = typer.Option(1.0, help="Clipping threshold (<= 0: no clipping)."),
-          no_double_buffer: bool = typer.Option(False, "--no-double-buffer", help="Ablation: no prefetch of the next layer."),
-          no_speculation: bool = typer.Option(False, "--no-speculation", help="Ablation: host AdamW waits for the gradient norm "
-                                              "instead of starting as each layer's gradients land."),
-          no_overlap_optimizer: bool = typer.Option(False, "--no-overlap-optimizer", help="Ablation: optimizer after the step, not "
-                                                    "pipelined into the next forward."),
-          device: str = typer.Option("cuda", help="cuda or cpu."),
-          long_context: str = typer.Option("auto", help="Long-context path (tiled MLP, checkpoint offload): on, "
-                                           "off, or auto (batch 1, no accumulation, seq >= 32k)."),
-          sdpa: str = typer.Option("auto", help="Long-context SDPA backends: auto (cudnn, flash, efficient), or one."),
-          kernels: str = typer.Option("auto", help="auto (Triton on CUDA), triton or torch (ablation)."),
-          host_adamw: str = typer.Option("auto", help="Host AdamW code: auto (the C++ kernel where it compiles), "
-                                         "cpp or torch (ablation)."),
-          no_defer_moments: bool = typer.Option(False, "--no-defer-moments", help="Ablation: clipped steps' updates store weights and "
-                                                "moments in one pass (no deferred moments pass)."),
-          no_update_on_read: bool = typer.Option(False, "--no-update-on-read", help="Ablation: after a clipped step, host AdamW's worker "
-                                                 "stores the new weights and the packer casts them (no update "
-                                                 "applied by the packer as it streams)."),
-          device_cast: bool = typer.Option(False, help="Experimental: DMA the page-locked fp32 masters and cast "
-                                           "on the GPU (short-context path, one GPU; measured slower on the H200)."),
-          no_memory_fallback: bool = typer.Option(False, "--no-memory-fallback", help="Refuse a step whose plan does not fit the device "
-                                                  "budget instead of taking the memory-lean path (interval 1, "
-                                                  "checkpoints in pinned host memory as needed)."),
-          dashboard: str = typer.Option("auto", help="Live view: auto, rich, plain or off."),
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             options_metavar="[RECIPE] [KEY=VALUE ...] [OPTIONS]",
+             epilog="The recipe sets the model, the step's shape and every engine setting, as for `train`; "
+                    "the options describe the measurement. Old flags are now keys, e.g. --checkpoint-interval 2 "
+                    "-> engine.checkpoint_interval=2, --no-memory-fallback -> engine.memory_fallback=false, "
+                    "--max-gpu-mem 24GiB -> engine.max_gpu_mem=24GiB, --dashboard plain -> logging.dashboard=plain.\n\n"
+                    + RECIPE_KEYS)
+def bench(ctx: typer.Context,
+          steps: int = typer.Option(3, help="Timed steps."),
+          warmup: Optional[int] = typer.Option(None, help="Untimed steps before them (default 1; 0 on the "
+                                               "long-context path, where a step takes minutes)."),
+          baseline: Optional[str] = typer.Option(None, help="Also run the same model, batch and tokens under: "
+                                                 "native (all on the GPU), deepspeed (ZeRO-3 Offload) or both."),
+          layers: Optional[int] = typer.Option(None, help="Run N decoder layers instead of the preset's (same layer "
+                                               "shape; the results say '7b[N of 28 layers]'). On the long-context "
+                                               "path the whole model's step is extrapolated from the measured "
+                                               "per-layer times and its memory plan is printed."),
+          gpus: Optional[int] = typer.Option(None, "--gpus", help="Data-parallel ranks, one GPU each (CPU processes "
+                                             "on gloo with engine.device=cpu); train.micro_batch_size and "
+                                             "train.grad_accum are then per GPU. 1: the single-GPU engine through "
+                                             "the same loop. Under torchrun: its WORLD_SIZE."),
           frame: Optional[Path] = typer.Option(None, help="Write the last step's dashboard frame (text) here."),
-          as_json: bool = typer.Option(False, "--json", help="Print results as JSON."),
+          as_json: bool = typer.Option(False, "--json", help="Print results as JSON (stdout holds nothing else: "
+                                       "no dashboard)."),
           output: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
-          gpus: Optional[int] = typer.Option(None, "--gpus", help="Data-parallel ranks, one GPU each (CPU "
-                                             "processes on gloo with --device cpu); --batch is then per GPU. "
-                                             "1: the single-GPU engine through the same loop. Under torchrun: "
-                                             "its WORLD_SIZE."),
-          dist_sync: bool = typer.Option(False, help="Ablation, with --gpus: the synchronous data-parallel "
-                                         "path instead of the overlapped one.")) -> None:
-    """Full training steps of a random-init preset on synthetic tokens, against a baseline."""
+          model: Optional[str] = typer.Option(None, help="Shorthand for model.preset=MODEL (the recipe's model.path "
+                                              "goes): tiny, 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b, llama3-8b."),
+          seq: Optional[str] = typer.Option(None, help="Shorthand for train.seq_len (512k = 524288)."),
+          batch: Optional[int] = typer.Option(None, help="Shorthand for train.micro_batch_size."),
+          grad_accum: Optional[int] = typer.Option(None, help="Shorthand for train.grad_accum."),
+          device: Optional[str] = typer.Option(None, help="Shorthand for engine.device (cuda, cpu or auto).")) -> None:
+    """Time full training steps of RECIPE's model (default: recipes/bench.yaml, the 7B preset at 8 x 4096) on
+    synthetic tokens, then key=value overrides as for `train`, e.g. `engine.checkpoint_interval=2`."""
     import torch
 
-    from megatrain_cli.bench import short as b
-    from megatrain_cli.presets import PRESETS
-    from megatrain_cli.recipe import parse_bytes
+    from megatrain_cli.bench.result import format_table, to_json
+    from megatrain_cli.bench.settings import BenchRun, bench_recipe, shorthands
 
-    if model not in PRESETS:
-        _fail(f"unknown model preset '{model}' (known: {', '.join(PRESETS)})")
-    if device == "cuda" and not torch.cuda.is_available():
-        _fail("bench needs a CUDA GPU (use --device cpu for a functional run on a small preset)")
-    if kernels not in ("auto", "torch", "triton"):
-        _fail(f"--kernels: auto, torch or triton, got {kernels!r}")
-    if host_adamw not in ("auto", "torch", "cpp"):
-        _fail(f"--host-adamw: auto, cpp or torch, got {host_adamw!r}")
-    baselines = [x.strip() for x in baseline.split(",")] if baseline else []
-    if any(x not in ("native", "deepspeed") for x in baselines):
-        _fail(f"unknown baseline '{baseline}' (native, deepspeed, or native,deepspeed)")
+    try:
+        short = shorthands(model=model, seq=seq, batch=batch, grad_accum=grad_accum, device=device)
+    except ValueError as err:
+        _fail(f"--seq: {err}")
+    try:
+        r = bench_recipe(ctx.args, shorthand=short)
+    except RecipeError as err:
+        _fail(str(err))
+    baselines = {None: [], "native": ["native"], "deepspeed": ["deepspeed"], "both": ["native", "deepspeed"],
+                 "native,deepspeed": ["native", "deepspeed"]}.get(baseline)
+    if baselines is None:
+        _fail(f"--baseline: native, deepspeed or both, got {baseline!r}")
+    if steps < 1 or (warmup is not None and warmup < 0):
+        _fail(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
     if layers is not None and layers < 1:
         _fail(f"--layers: expected a number >= 1, got {layers}")
     if layers is not None and "deepspeed" in baselines:
         _fail("--layers does not reach the DeepSpeed baseline (its child process builds the whole preset)")
-    budget = None
-    if keep_activations != "auto" and not keep_activations.isdigit():
-        _fail(f"--keep-activations: expected auto or a number, got {keep_activations!r}")
-    if max_gpu_mem is not None:
-        budget = parse_bytes(max_gpu_mem)
-        if device == "cuda":  # on CPU the budget only drives the plan
-            total = torch.cuda.get_device_properties(0).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total))
-    from megatrain_cli.dashboard import MODES, Dashboard
-
-    if dashboard not in MODES:
-        _fail(f"--dashboard: one of {', '.join(MODES)}, got {dashboard!r}")
-    seq_len = b.parse_tokens(seq)
+    if "deepspeed" in baselines and r.model.preset is None:
+        _fail("--baseline deepspeed: presets only (model.preset; its child process builds the preset)")
+    if r.model.path is not None and not Path(r.model.path).is_dir():
+        _fail(f"model.path does not exist: {r.model.path}")
+    if r.engine.device == "cuda" and not torch.cuda.is_available():
+        _fail("bench: engine.device is 'cuda' but there is no CUDA GPU (use --device cpu, i.e. engine.device=cpu, "
+              "for a functional run on a small preset)")
+    run = BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None)
     if gpus is not None or "WORLD_SIZE" in os.environ:
-        from megatrain_cli.bench.ranks import DistBench
-
-        _bench_ranks(gpus, DistBench(model=model, batch=batch, seq=seq_len, steps=steps, grad_accum=grad_accum,
-                                     layers=layers, checkpoint_interval=checkpoint_interval,
-                                     layer_slots=layer_slots, keep_activations=keep_activations if
-                                     keep_activations == "auto" else int(keep_activations),
-                                     max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
-                                     device=device, kernels=kernels, overlap=not dist_sync),
-                     ignored=[f for f, on in (("--baseline", baselines), ("--max-gpu-mem", max_gpu_mem),
-                                              ("--frame", frame), ("--no-double-buffer", no_double_buffer),
-                                              ("--no-speculation", no_speculation),
-                                              ("--no-overlap-optimizer", no_overlap_optimizer),
-                                              ("--long-context on", long_context == "on"),
-                                              ("--device-cast", device_cast),
-                                              ("--no-update-on-read", no_update_on_read)) if on],
+        _bench_ranks(r, run, gpus, refused=[f for f, on in (("--baseline", baselines), ("--frame", frame)) if on],
                      as_json=as_json, output=output)
-    if long_context == "on" or (long_context == "auto" and batch == 1 and grad_accum == 1 and seq_len >= 32768):
-        if device_cast:
-            _fail("--device-cast: the short-context path only (add --long-context off)")
-        from megatrain_cli.bench.long_context import bench_long_context, format_extrapolation
+    from megatrain_cli.bench.runner import DoesNotFit, plan_bench, run_bench
 
-        res = bench_long_context(model, seq_len, steps=steps, warmup=0, device_budget=budget, device=device,
-                                 sdpa=sdpa, batch=batch, layers=layers, layer_slots=layer_slots,
-                                 double_buffer=not no_double_buffer, overlap_optimizer=not no_overlap_optimizer,
-                                 speculate=not no_speculation, kernels=kernels,
-                                 update_on_read=not no_update_on_read,
-                                 max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
-                                 log=lambda m: typer.echo(m, err=True))
-        extrapolated = f"\n{format_extrapolation(res.extrapolated)}" if res.extrapolated else ""
-        typer.echo(b.to_json([res]) if as_json else f"{b.format_table([res])}\nnotes: {res.notes}{extrapolated}")
-        if output:
-            output.write_text(b.to_json([res]))
-        raise typer.Exit(0 if res.tokens_per_s > 0 else 3)
-    ds_result = None
+    def err(message: str) -> None:
+        typer.echo(message, err=True)
+
+    try:
+        planned = plan_bench(r, layers, log=err)
+    except ValueError as e:  # --layers of a model.path
+        _fail(str(e))
+    if planned.long_context and baselines:
+        _fail(f"--baseline: the short-context path only (train.seq_len {r.train.seq_len} takes the long-context one)")
+    if baselines and planned.device.type != "cuda":
+        _fail("--baseline: the baselines run on a CUDA GPU")
+    results = []
     if "deepspeed" in baselines:
         # First, in a watched child process: DeepSpeed gets the host memory to itself (ours is not
         # allocated yet) and returns all of it when it exits (or is killed for memory).
         from megatrain_cli.bench.deepspeed import bench_deepspeed
 
-        ds_result = bench_deepspeed(model, batch * grad_accum, seq_len, steps, log=lambda m: typer.echo(m, err=True),
-                                    timeout_s=540)
+        t = r.train
+        results.append(bench_deepspeed(r.model.preset, t.micro_batch_size * t.grad_accum, t.seq_len, steps,
+                                       warmup=run.warmup_steps(False), log=err, timeout_s=540))
     try:
-        with Dashboard(dashboard, total_steps=steps + 1, title=f"megatrain bench {model}") as dash:
-            results = [b.bench_engine(
-                model, batch, seq_len, steps, grad_accum=grad_accum, checkpoint_interval=checkpoint_interval,
-                layer_slots=layer_slots, double_buffer=not no_double_buffer,
-                overlap_optimizer=not no_overlap_optimizer, speculate=not no_speculation, device_budget=budget,
-                keep_activations=keep_activations if keep_activations == "auto" else int(keep_activations),
-                max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, device=device, kernels=kernels,
-                memory_fallback=not no_memory_fallback, log=lambda m: typer.echo(m, err=True), dashboard=dash,
-                frame_path=str(frame) if frame else None, layers=layers, device_cast=device_cast,
-                update_on_read=not no_update_on_read)]
-    except b.DoesNotFit as err:
-        _fail(f"{err}\n(the plan above has each term; --max-gpu-mem sets the device budget)", 3)
+        ours = run_bench(r, run, log=err, dashboard="off" if as_json else r.logging.dashboard, planned=planned)
+    except DoesNotFit as e:
+        _fail(f"{e}\n(the plan above has each term; engine.max_gpu_mem sets the device budget)", 3)
+    results.insert(0, ours)
     if "native" in baselines:
-        results.append(b.bench_native(model, batch * grad_accum, seq_len, steps, layers=layers,
-                                      log=lambda m: typer.echo(m, err=True)))
-    if ds_result is not None:
-        results.append(ds_result)
-    lean_notes = [f"notes ({r.name}): {r.notes}" for r in results if r.notes.startswith("memory-lean path")]
-    typer.echo(b.to_json(results) if as_json else "\n".join([b.format_table(results), *lean_notes]))
+        from megatrain_cli.bench.short import bench_native
+
+        results.insert(1, bench_native(planned, run, log=err))
+    if planned.long_context:
+        from megatrain_cli.bench.long_context import format_extrapolation
+
+        extrapolated = f"\n{format_extrapolation(ours.extrapolated)}" if ours.extrapolated else ""
+        typer.echo(to_json(results) if as_json else f"{format_table(results)}\nnotes: {ours.notes}{extrapolated}")
+    else:
+        lean_notes = [f"notes ({x.name}): {x.notes}" for x in results if x.notes.startswith("memory-lean path")]
+        typer.echo(to_json(results) if as_json else "\n".join([format_table(results), *lean_notes]))
     if output:
-        output.write_text(b.to_json(results))
+        output.write_text(to_json(results))
+    if ours.tokens_per_s <= 0:  # the long-context row of a plan that does not fit, or of a failed run
+        _fail("the bench would not fit:\n  " + "\n  ".join(planned.problems) if planned.problems
+              else f"no timed step finished: {ours.notes}", 3)
 
 
-def _bench_ranks(gpus: Optional[int], args, *, ignored: list, as_json: bool, output: Optional[Path]) -> None:
-    """`bench --gpus N` (or under torchrun): megatrain_cli/bench_dist.py; rank 0 prints and writes."""
-    from megatrain_cli.bench import short as b
-    from megatrain_cli.bench.ranks import bench_dist
+def _bench_ranks(r, run, gpus: Optional[int], *, refused: list, as_json: bool, output: Optional[Path]) -> None:
+    """`bench --gpus N` (or under torchrun): megatrain_cli/bench/ranks.py; rank 0 prints and writes."""
+    from megatrain_cli.bench.result import format_table, from_dict
+    from megatrain_cli.bench.runner import DoesNotFit
+    from megatrain_cli.bench.ranks import bench_ranks
 
-    if ignored:
-        _fail(f"--gpus: not with {', '.join(ignored)} (one short-context engine per rank)")
+    if refused:
+        _fail(f"--gpus: not with {', '.join(refused)} (one engine per rank, measured alone)")
     if gpus is not None and gpus < 1:
         _fail(f"--gpus must be >= 1, got {gpus}")
     try:
-        report = bench_dist(args, gpus, log=lambda m: typer.echo(m, err=True))
-    except (b.DoesNotFit, ValueError) as err:
+        report = bench_ranks(r, run, gpus, log=lambda m: typer.echo(m, err=True))
+    except (DoesNotFit, ValueError) as err:
         _fail(str(err), 3)
     if report is not None:  # rank 0, or the process that spawned the ranks
         text = json.dumps(report, indent=2)
         if as_json:
             typer.echo(text)
         else:
-            result = b.BenchResult(**{k: report[k] for k in b.BenchResult.__dataclass_fields__})
-            typer.echo(f"{b.format_table([result])}\nnotes: {result.notes}")
+            result = from_dict(report)
+            typer.echo(f"{format_table([result])}\nnotes: {result.notes}")
         if output:
             output.write_text(text)
     raise typer.Exit(0)

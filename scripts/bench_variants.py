@@ -1,85 +1,76 @@
-"""Several `bench_engine` variants over ONE host store (the 7B store takes ~15 s to initialise and
-~100 GiB: building it once per variant wastes device time), then optionally the native baseline.
+"""Several bench variants over ONE host store (a 7B store takes seconds to initialise and ~100 GiB:
+building it once per variant wastes device time), then optionally the baselines.
 
-    python scripts/bench_variants.py --model 7b --seq 4096 --batch 8 --steps 3 --out $OUT/7b.json \
-        --variant default: --variant nospec:speculate=False --variant keep0:keep_activations=0 --native
+    python scripts/bench_variants.py [RECIPE] [key=value ...] --model 7b --seq 4096 --batch 8 --steps 3 \
+        --out $OUT/7b.json --variant default: --variant nospec:engine.speculate_optimizer=false \
+        --variant keep0:engine.keep_activations=0 --native
 
-A variant is NAME:key=value,key=value with bench_engine's keyword arguments (ints, floats, True/False,
-None or strings), plus batch= and seq= to change the shape (the store does not depend on it) and
-host_kernel=torch|cpp|auto, defer_moments=0|1, packer_threads=N and adamw_threads=N (environment settings
-of the engine, VARIANT_ENV, for that variant only).
---deepspeed runs the ZeRO-3 Offload baseline after the variants (the store freed first), in its watched
-child process: on a host too small for it, the row says when and at what RSS it was killed. Prints one table at the end; writes every result as JSON to --out.
+The base is `megatrain bench`'s: RECIPE (default recipes/bench.yaml), its key=value overrides and the same
+shorthands (--model, --seq, --batch). A variant is NAME:key=value,key=value: recipe overrides on top of the
+base (train.seq_len= and train.micro_batch_size= change the shape; the store does not depend on it; the
+model.* keys must stay the base's, the store is shared), and optimizer=false to time forward + backward
+alone. --native runs the all-on-GPU baseline after the
+variants; --deepspeed the ZeRO-3 Offload one (the store freed first), in its watched child process: on a
+host too small for it, the row says when and at what RSS it was killed. Prints one table at the end;
+writes every result as JSON to --out.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import gc
 import json
-import os
 import sys
 import time
 from dataclasses import asdict
 
 import torch
 
-from megatrain_cli.bench import short as b
-from megatrain_cli.machine import ADAMW_THREADS_ENV, PACKER_THREADS_ENV
-from megatrain_cli.optim.host_adamw import DEFER_ENV, KERNEL_ENV
-
-# variant keys that are environment settings of the engine, for that variant only
-VARIANT_ENV = {"host_kernel": KERNEL_ENV, "defer_moments": DEFER_ENV, "packer_threads": PACKER_THREADS_ENV,
-               "adamw_threads": ADAMW_THREADS_ENV}
-from megatrain_cli.models.loader import build_store
-from megatrain_cli.presets import PRESETS
+from megatrain_cli.bench.result import format_table
+from megatrain_cli.bench.runner import DoesNotFit, plan_bench, run_bench
+from megatrain_cli.bench.settings import BenchRun, bench_model_config, bench_recipe, shorthands
+from megatrain_cli.train.setup import build_store
 
 
-def parse_variant(text: str) -> tuple[str, dict]:
+def parse_variant(text: str) -> tuple[str, list[str], bool]:
+    """NAME:key=value,... -> (name, recipe overrides, whether the optimizer runs)."""
     name, _, rest = text.partition(":")
-    kwargs = {}
-    for item in filter(None, rest.split(",")):
-        key, _, value = item.partition("=")
-        try:
-            kwargs[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            kwargs[key] = value
-    return name, kwargs
+    items = [item for item in rest.split(",") if item]
+    optimizer = "optimizer=false" not in [item.lower() for item in items]
+    return name, [item for item in items if not item.lower().startswith("optimizer=")], optimizer
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="7b")
-    ap.add_argument("--seq", default="4096")
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="shorthand for model.preset")
+    ap.add_argument("--seq", default=None, help="shorthand for train.seq_len (512k = 524288)")
+    ap.add_argument("--batch", type=int, default=None, help="shorthand for train.micro_batch_size")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--variant", action="append", default=[])
     ap.add_argument("--native", action="store_true")
     ap.add_argument("--deepspeed", action="store_true")
     ap.add_argument("--frame-dir", default=None)
     ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    seq = b.parse_tokens(args.seq)
-    p = PRESETS[args.model]
-    config = p.hf_config(vocab_size=p.vocab_size or 1024, max_position_embeddings=max(seq, 4096))
+    args, words = ap.parse_known_args()
+    short = shorthands(model=args.model, seq=args.seq, batch=args.batch)
+    base = bench_recipe(words, shorthand=short)
+    label = base.model.preset or "model"
     t0 = time.perf_counter()
-    store = build_store(config, torch.bfloat16, seed=0)
+    store = build_store(base, bench_model_config(base))
     print(f"store: {time.perf_counter() - t0:.1f} s", flush=True)
     log = lambda m: print(m, flush=True)  # noqa: E731
     results, out = [], {}
     for text in args.variant or ["default:"]:
-        name, kwargs = parse_variant(text)
-        print(f"=== variant {name}: {kwargs}", flush=True)
-        frame = f"{args.frame_dir}/{args.model}-{name}.txt" if args.frame_dir else None
-        batch_v, seq_v = kwargs.pop("batch", args.batch), b.parse_tokens(kwargs.pop("seq", seq))
-        env = {k: str(kwargs.pop(key)) for key, k in VARIANT_ENV.items() if key in kwargs}
-        saved_env = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        name, overrides, optimizer = parse_variant(text)
+        r = bench_recipe([*words, *overrides], shorthand=short)
+        if r.model != base.model:
+            print(f"variant {name}: model.* must stay the base's (the host store is shared)", flush=True)
+            continue
+        print(f"=== variant {name}: {overrides}", flush=True)
+        frame = f"{args.frame_dir}/{label}-{name}.txt" if args.frame_dir else None
         try:
-            r = b.bench_engine(args.model, batch_v, seq_v, args.steps, store=store, log=log, frame_path=frame,
-                               **kwargs)
-        except b.DoesNotFit as err:
+            res = run_bench(r, BenchRun(steps=args.steps, frame=frame, optimizer=optimizer), store=store, log=log)
+        except DoesNotFit as err:
             print(f"variant {name}: {err}", flush=True)
             continue
         except torch.cuda.OutOfMemoryError as err:
@@ -87,36 +78,34 @@ def main() -> int:
             gc.collect()
             torch.cuda.empty_cache()
             continue
-        finally:
-            for k, v in saved_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-        r.name = name
-        results.append(r)
-        out[name] = asdict(r)
-        torch.cuda.empty_cache()
+        res.name = name
+        results.append(res)
+        out[name] = asdict(res)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
     del store
     gc.collect()
     baselines = []
     if args.native:
-        baselines.append(("native", lambda: b.bench_native(args.model, args.batch, seq, args.steps, log=log)))
+        from megatrain_cli.bench.short import bench_native
+
+        baselines.append(("native", lambda: bench_native(plan_bench(base, log=lambda _: None),
+                                                         BenchRun(steps=args.steps), log=log)))
     if args.deepspeed:
         from megatrain_cli.bench.deepspeed import bench_deepspeed
 
-        baselines.append(("deepspeed", lambda: bench_deepspeed(args.model, args.batch, seq, args.steps, log=log)))
+        t = base.train
+        baselines.append(("deepspeed", lambda: bench_deepspeed(base.model.preset, t.micro_batch_size * t.grad_accum,
+                                                               t.seq_len, args.steps, log=log)))
     for name, run in baselines:
-        r = run()
-        results.append(r)
-        out[name] = asdict(r)
+        res = run()
+        results.append(res)
+        out[name] = asdict(res)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=2)
-    print(b.format_table(results), flush=True)
-    for r in results:
-        print(f"{r.name}: split {r.split} | {r.notes}", flush=True)
+    print(format_table(results), flush=True)
+    for res in results:
+        print(f"{res.name}: split {res.split} | {res.notes}", flush=True)
     return 0
 
 

@@ -94,7 +94,7 @@ def test_bench_deepspeed_failure_carries_stderr():
 
 
 def test_synthetic_tokens_are_bench_s():
-    from megatrain_cli.bench.short import synthetic_batch
+    from megatrain_cli.bench.loop import synthetic_batch
 
     for s in range(3):
         mb = synthetic_batch(1024, 2, 16, seed=s * 97)

@@ -1,5 +1,5 @@
-"""`megatrain bench` on the CPU with the tiny preset: the timed step loop both engine paths share
-(bench_loop.run_timed_steps) runs the steps a plain engine runs, and `--layers` runs a model of that many
+"""`megatrain bench` on the CPU with the tiny preset: the timed step loop every path shares
+(bench/loop.run_timed_steps) runs the steps a plain engine runs, and `--layers` runs a model of that many
 layers and says so in the result, the table and the JSON.
 """
 
@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_cli.bench.short import BenchResult, bench_config, bench_engine, format_table, model_label, synthetic_batch
+from megatrain_cli.bench.loop import synthetic_batch
+from megatrain_cli.bench.result import BenchResult, format_table, model_label
+from megatrain_cli.bench.runner import run_bench
+from megatrain_cli.bench.settings import BenchRun, bench_model_config, bench_recipe
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.recipe import TrainConfig
@@ -21,9 +24,16 @@ from megatrain_cli.recipe import TrainConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def cpu_recipe(*overrides: str, preset: str = "tiny", batch: int = 2, seq: int = 32, accum: int = 1):
+    """recipes/bench.yaml on the CPU in fp32 (as bench ran there before the recipe), with this shape."""
+    return bench_recipe([f"model.preset={preset}", "model.dtype=fp32", "engine.device=cpu",
+                         f"train.micro_batch_size={batch}", f"train.seq_len={seq}", f"train.grad_accum={accum}",
+                         *overrides])
+
+
 def plain_engine_losses(preset: str, batch: int, seq: int, *, accum: int = 1, steps: int, layers: int | None = None):
     """Every step's loss of a plain engine (no pipelined optimizer, no plan) on the bench's store and batches."""
-    config = bench_config(preset, seq, layers)
+    config = bench_model_config(cpu_recipe(preset=preset, seq=seq), layers)
     engine = Engine(build_store(config, torch.float32, seed=0),
                     TrainConfig(steps=steps, lr=1e-5, max_grad_norm=1.0, grad_accum=accum, micro_batch_size=batch,
                                 seq_len=seq), device=torch.device("cpu"))
@@ -45,7 +55,7 @@ def capture_engines(monkeypatch) -> list[Engine]:
 def test_bench_engine_runs_the_plain_engines_steps(monkeypatch):
     engines = capture_engines(monkeypatch)
     lines = []
-    res = bench_engine("tiny", 2, 32, 2, grad_accum=2, warmup=1, device="cpu", log=lines.append)
+    res = run_bench(cpu_recipe(batch=2, seq=32, accum=2), BenchRun(steps=2, warmup=1), log=lines.append)
     assert res.model == "tiny" and res.steps == 2 and res.batch == 4 and res.seq == 32
     assert res.losses == pytest.approx(plain_engine_losses("tiny", 2, 32, accum=2, steps=3), rel=1e-5)
     assert res.step_time_s > 0 and res.tokens_per_s == pytest.approx(4 * 32 / res.step_time_s)
@@ -59,7 +69,7 @@ def test_bench_engine_runs_the_plain_engines_steps(monkeypatch):
 
 def test_bench_engine_layers_runs_that_many_layers_and_says_so(monkeypatch):
     engines = capture_engines(monkeypatch)
-    res = bench_engine("tiny", 2, 32, 1, warmup=1, device="cpu", layers=2, log=lambda m: None)
+    res = run_bench(cpu_recipe(batch=2, seq=32), BenchRun(steps=1, warmup=1, layers=2), log=lambda m: None)
     assert engines[0].adapter.num_layers == 2 and res.model == "tiny[2 of 4 layers]"
     assert res.losses == pytest.approx(plain_engine_losses("tiny", 2, 32, steps=2, layers=2), rel=1e-5)
     table = format_table([res])
@@ -69,7 +79,7 @@ def test_bench_engine_layers_runs_that_many_layers_and_says_so(monkeypatch):
     assert header[11:11 + w] == "model".ljust(w) and row[11:11 + w] == res.model + " "
     assert model_label("tiny", 4) == "tiny" and model_label("tiny", None) == "tiny"
     with pytest.raises(ValueError, match="layers must be >= 1"):
-        bench_config("tiny", 32, 0)
+        bench_model_config(cpu_recipe(), 0)
 
 
 def test_format_table_keeps_its_layout_for_preset_names():
@@ -80,8 +90,8 @@ def test_format_table_keeps_its_layout_for_preset_names():
 
 def megatrain_bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatrain_cli", "bench", "--model", "tiny", "--device", "cpu",
-                           "--steps", "1", "--dashboard", "off", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=180)
+                           "--steps", "1", "logging.dashboard='off'", "model.dtype=fp32", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
 
 
 def test_bench_cli_layers_in_json_and_refused_where_it_cannot_apply():
@@ -100,7 +110,7 @@ def test_steady_state_is_the_mean_of_the_timed_steps_after_the_first():
 
     assert TimedSteps(step_times=[1.0]).steady_step_s() is None
     assert TimedSteps(step_times=[3.5, 4.5, 4.6]).steady_step_s() == pytest.approx(4.55)
-    res = bench_engine("tiny", 2, 32, 3, warmup=1, device="cpu", log=lambda m: None)
+    res = run_bench(cpu_recipe(batch=2, seq=32), BenchRun(steps=3, warmup=1), log=lambda m: None)
     assert res.steady_step_time_s > 0 and "steady state (timed steps 2..3" in res.notes
-    one = bench_engine("tiny", 2, 32, 1, warmup=1, device="cpu", log=lambda m: None)
+    one = run_bench(cpu_recipe(batch=2, seq=32), BenchRun(steps=1, warmup=1), log=lambda m: None)
     assert one.steady_step_time_s == 0.0 and "steady state" not in one.notes

@@ -1,4 +1,4 @@
-"""`megatrain bench --gpus 2` on the CPU: two processes on gloo, tiny preset (megatrain_cli/bench_dist.py).
+"""`megatrain bench --gpus 2` on the CPU: two processes on gloo, tiny preset (megatrain_cli/bench/ranks.py).
 
 The report has its keys and adds its ranks up as it says, and the two ranks train as the single-process
 engine does on the same global batch (the same loop with --gpus 1 and twice the micro-batches per step).
@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from megatrain_cli.bench.ranks import DistBench, bench_dist
+from megatrain_cli.bench.ranks import bench_ranks
+from megatrain_cli.bench.settings import BenchRun, bench_recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--model", "tiny", "--device", "cpu", "--seq", "64", "--batch", "2", "--steps", "2", "--kernels", "torch"]
+TINY = ["--model", "tiny", "--device", "cpu", "--seq", "64", "--batch", "2", "--steps", "2", "engine.kernels=torch",
+        "model.dtype=fp32"]
 REPORT_KEYS = {"name", "model", "batch", "seq", "steps", "step_time_s", "tokens_per_s", "model_tflops",
                "peak_device_bytes", "host_rss_bytes", "bytes_per_param", "losses", "world", "streamer",
                "tokens_per_s_per_gpu", "host_rss_bytes_per_param", "params", "grad_norms", "per_rank"}
@@ -49,8 +51,9 @@ def test_two_rank_bench_reports_its_ranks_and_trains_as_one_process(tmp_path):
     # Each rank holds half of the host state: the tiles add up to one process's 16 bytes/param (fp32 on CPU).
     assert 16 <= two["bytes_per_param"] < 16.5 and all(r["host_tile_bytes"] > 0 for r in ranks)
 
-    one = bench_dist(DistBench(model="tiny", batch=2, seq=64, steps=2, grad_accum=2, device="cpu", kernels="torch"),
-                     1, log=lambda _: None)
+    one = bench_ranks(bench_recipe(["model.preset=tiny", "train.micro_batch_size=2", "train.seq_len=64",
+                                    "train.grad_accum=2", "engine.device=cpu", "engine.kernels=torch",
+                                    "model.dtype=fp32"]), BenchRun(steps=2), 1, log=lambda _: None)
     assert one["world"] == 1 and one["streamer"] == "WeightStreamer" and one["batch"] == 4
     assert len(two["losses"]) == 3  # the warm-up step and the two timed ones
     assert two["losses"] == pytest.approx(one["losses"], rel=1e-5)

@@ -135,7 +135,7 @@ def test_bench_cuda_without_gpu_fails_clearly():
 
 def test_bench_that_does_not_fit_is_refused_before_allocating():
     # 72B x 14 bytes/param of host state: the plan is refused with its numbers, nothing is allocated.
-    p = megatrain("bench", "--model", "72b", "--device", "cpu", "--steps", "1", "--dashboard", "off")
+    p = megatrain("bench", "--model", "72b", "--device", "cpu", "--steps", "1", "logging.dashboard='off'")
     assert p.returncode == 3, p.stderr[-2000:]
     assert "would not fit" in p.stderr and "host memory" in p.stderr and "GiB" in p.stderr
     assert "Traceback" not in p.stderr
@@ -178,7 +178,7 @@ def test_export_of_a_directory_without_checkpoints(tmp_path):
 
 def test_bench_long_context_layers_prints_the_measured_run_and_the_extrapolation():
     p = megatrain("bench", "--model", "tiny", "--device", "cpu", "--seq", "256", "--batch", "1", "--steps", "1",
-                  "--long-context", "on", "--layers", "2")
+                  "engine.long_context_min_seq=256", "model.dtype=fp32", "--layers", "2")
     assert p.returncode == 0, p.stderr[-2000:]
     table, notes, *extrapolation = p.stdout.strip().splitlines()[1:]
     assert table.startswith("long-ctx   tiny[2 of 4 layers] 1x256") and notes.startswith("notes: interval 1")

@@ -1,6 +1,6 @@
 """The engine's long-context path (issue #9) on the CPU: with a LongContextPlan (tiled MLP, lean norms,
 checkpoints through the offloader, the plan's loss chunk) a step is the same arithmetic as without
-one; bench_long_context runs a step of the tiny preset and refuses a plan that does not fit.
+one; the bench's long-context path runs a step of the tiny preset and refuses a plan that does not fit.
 """
 
 from __future__ import annotations
@@ -101,6 +101,22 @@ def test_choose_plan_takes_lean_norms_only_when_hf_does_not_fit():
 
 
 # ---------------------------------------------------------------------------------------------- bench
+def long_recipe(*overrides: str, seq: int = 256):
+    """The bench's recipe for the tiny preset on the CPU (fp32), one sequence of `seq` tokens per step on the
+    long-context path."""
+    from megatrain_cli.bench.settings import bench_recipe
+
+    return bench_recipe(["model.preset=tiny", "model.dtype=fp32", "engine.device=cpu", "train.micro_batch_size=1",
+                         f"train.seq_len={seq}", f"engine.long_context_min_seq={seq}", *overrides])
+
+
+def plan_defaults(monkeypatch, **defaults):
+    """The long-context planner's own knobs (not recipe keys: MLP tile size, forced tiling or offload), set
+    for this test so the tiny model's 256 tokens exercise the tiled MLP and the offloader."""
+    from megatrain_cli.engine.plan import lean
+
+    for key, value in defaults.items():
+        monkeypatch.setitem(lean.plan_long_context.__kwdefaults__, key, value)
 
 
 def layer_lines(lines: list[str]) -> list[str]:
@@ -110,13 +126,14 @@ def layer_lines(lines: list[str]) -> list[str]:
     return [m.group(1) for m in (re.match(r"\[bench-long\] (step \d+ (?:layer \d+ \w+|head))", x) for x in lines) if m]
 
 
-def test_bench_long_context_runs_a_step_of_tiny_on_cpu():
-    from megatrain_cli.bench.long_context import bench_long_context
+def test_bench_long_context_runs_a_step_of_tiny_on_cpu(monkeypatch):
+    from megatrain_cli.bench.runner import run_bench
+    from megatrain_cli.bench.settings import BenchRun
     from tests.test_bench import plain_engine_losses
 
+    plan_defaults(monkeypatch, mlp_tile_tokens=64, tile_mlp=True, offload=True)
     lines = []
-    res = bench_long_context("tiny", 256, device="cpu", steps=2, warmup=1, mlp_tile_tokens=64, tile_mlp=True,
-                             offload=True, log=lines.append)
+    res = run_bench(long_recipe(), BenchRun(steps=2, warmup=1), log=lines.append)
     assert res.model == "tiny" and res.extrapolated == {}
     assert res.steps == 2 and res.step_time_s > 0 and res.tokens_per_s == pytest.approx(256 / res.step_time_s)
     assert res.model_tflops > 0 and res.executed_tflops > res.model_tflops
@@ -137,22 +154,29 @@ def test_bench_long_context_runs_a_step_of_tiny_on_cpu():
     assert lines[first_step_line - 1].startswith("[bench-long] step 0 layer 0 recompute + backward ")
 
 
-def test_bench_long_context_layers_extrapolates_to_the_whole_model():
-    from megatrain_cli.bench.long_context import bench_long_context, format_extrapolation, full_model_plan
+def test_bench_long_context_layers_extrapolates_to_the_whole_model(monkeypatch):
+    from megatrain_cli.bench.long_context import format_extrapolation
+    from megatrain_cli.bench.runner import run_bench
+    from megatrain_cli.bench.settings import BenchRun, bench_model_config
+    from megatrain_cli.engine.plan.step_plan import plan_step
+    from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.models.loader import build_store
-    from megatrain_cli.bench.short import bench_config
     from tests.test_bench import plain_engine_losses
 
-    store = build_store(bench_config("tiny", 256, 2), torch.float32, seed=0)
+    # Headroom 0.2 stands in for the 1 GiB a CUDA device keeps back: at tiny's size on the CPU, a budget small
+    # enough to make the whole model offload would otherwise tile both models by the 10%-of-budget rule.
+    plan_defaults(monkeypatch, mlp_tile_tokens=64, headroom=0.2)
+    store = build_store(bench_model_config(long_recipe(), 2), torch.float32, seed=0)
+    whole = ModelAdapter(bench_model_config(long_recipe()))
     # A device budget at which the whole model's plan tiles the MLP and a 2-layer model's own plan would not:
     # the run must take the whole model's choice, so its layers run what they would in the whole model.
-    options = dict(batch=1, host_budget_bytes=GiB, dtype=torch.float32, mlp_tile_tokens=64)
-    budget = next(b for b in range(int(1.05 * GiB), int(1.07 * GiB), 2**14)
-                  if choose_plan(bench_config("tiny", 256), 256, device_budget_bytes=b, **options).mlp_tile_tokens
+    options = dict(batch=1, host_budget_bytes=GiB, dtype=torch.float32, device_type="cpu")
+    budget = next(b for b in range(2**25, 2**27, 2**12)
+                  if choose_plan(whole, 256, device_budget_bytes=b, **options).mlp_tile_tokens
                   and not choose_plan(store.adapter, 256, device_budget_bytes=b, **options).mlp_tile_tokens)
     lines = []
-    res = bench_long_context("tiny", 256, device="cpu", steps=1, layers=2, store=store, device_budget=budget,
-                             host_budget=GiB, mlp_tile_tokens=64, log=lines.append)
+    r = long_recipe(f"engine.max_gpu_mem={budget}B")
+    res = run_bench(r, BenchRun(steps=1, layers=2), store=store, log=lines.append)
     assert res.model == "tiny[2 of 4 layers]" and res.steps == 1
     assert res.losses == pytest.approx(plain_engine_losses("tiny", 1, 256, steps=1, layers=2), rel=1e-5)
     assert layer_lines(lines) == ["step 0 layer 0 forward", "step 0 layer 1 forward", "step 0 head",
@@ -165,9 +189,7 @@ def test_bench_long_context_layers_extrapolates_to_the_whole_model():
     assert x["once_per_step_s"] == pytest.approx(res.step_time_s - 2 * per_layer)
     assert x["model_tflops"] > 0 and x["tokens_per_s"] == pytest.approx(256 / x["step_time_s"])
     # The whole model's plan, computed with the run's budgets, and the truncated run took its choices.
-    full, _ = full_model_plan("tiny", 256, store, host_budget=GiB, host_budget_measured=False, batch=1,
-                              device_budget_bytes=budget, dtype=torch.float32, layer_slots=2, mlp_tile_tokens=64,
-                              offload=None, headroom=0.95, tile_mlp=None, loss_chunk_tokens=4096, lean_norms=None)
+    full = plan_step(r, whole, torch.device("cpu")).lean
     assert full.num_checkpoints == 4 and x["planned_peak_device_bytes"] == full.predicted_peak
     assert x["planned_host_pinned_bytes"] == full.host_pinned_bytes and x["plan_fits"]
     assert x["measured_layers_planned_peak_device_bytes"] < full.predicted_peak
@@ -193,7 +215,8 @@ def test_extrapolate_scales_the_layer_passes_and_keeps_the_rest():
 def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):
     """A run stopped in the middle of a step (here an out-of-memory error in layer 1's backward; a time limit
     alike) has already logged every layer pass that finished."""
-    from megatrain_cli.bench.long_context import bench_long_context
+    from megatrain_cli.bench.runner import run_bench
+    from megatrain_cli.bench.settings import BenchRun
 
     real = Engine._backward_layer
 
@@ -204,7 +227,8 @@ def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):
 
     monkeypatch.setattr(Engine, "_backward_layer", backward_until_layer_1)
     lines = []
-    res = bench_long_context("tiny", 256, device="cpu", steps=1, mlp_tile_tokens=64, log=lines.append)
+    plan_defaults(monkeypatch, mlp_tile_tokens=64)
+    res = run_bench(long_recipe(), BenchRun(steps=1), log=lines.append)
     assert res.steps == 0 and res.notes.startswith("out of memory: CUDA out of memory") and res.extrapolated == {}
     assert layer_lines(lines) == [f"step 0 layer {i} forward" for i in range(4)] + [
         "step 0 head", "step 0 layer 3 recompute", "step 0 layer 2 recompute"]
@@ -212,15 +236,16 @@ def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):
 
 def test_7b_plans_fit_one_h200_and_a_256_gib_host():
     """`megatrain bench --model 7b --seq 32k..512k` on one H200 (139.8 GiB) of a host with 256 GiB: the plans
-    bench_long would choose, with the host budget it would read after the 7B store (14 bytes/param)."""
-    from megatrain_cli.bench.short import bench_config
+    the bench would choose, with the host budget it would read after the 7B store (14 bytes/param)."""
+    from megatrain_cli.bench.settings import bench_model_config, bench_recipe
     from megatrain_cli.engine.plan.lean import host_budget_bytes
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.store.tiles import HostStore
 
     device, expected = int(139.8 * GiB), {32: (22.7, 0), 128: (45.8, 0), 256: (82.1, 0), 512: (130.5, 9)}
     for k, (peak_gib, offloaded) in expected.items():
-        store = HostStore(ModelAdapter(bench_config("7b", k * 1024)), torch.bfloat16, allocate=False)
+        config = bench_model_config(bench_recipe(["model.preset=7b", f"train.seq_len={k * 1024}"]))
+        store = HostStore(ModelAdapter(config), torch.bfloat16, allocate=False)
         engine_pinned = 14 * store.largest_layer_numel() * 2
         host = host_budget_bytes(engine_pinned, available=250 * GiB) - store.host_bytes()  # MemAvailable < total
         plan = choose_plan(store.adapter, k * 1024, device_budget_bytes=device, host_budget_bytes=host)
@@ -232,10 +257,11 @@ def test_7b_plans_fit_one_h200_and_a_256_gib_host():
 
 
 def test_bench_long_context_refuses_a_plan_that_does_not_fit():
-    from megatrain_cli.bench.long_context import bench_long_context
+    from megatrain_cli.bench.runner import run_bench
+    from megatrain_cli.bench.settings import BenchRun
 
     lines = []
-    res = bench_long_context("tiny", 256, device="cpu", device_budget=2**20, log=lines.append)
+    res = run_bench(long_recipe("engine.max_gpu_mem=1MiB"), BenchRun(steps=1), log=lines.append)
     assert res.notes.startswith("does not fit: predicted device peak") and res.tokens_per_s == 0
     assert res.steps == 0 and "DOES NOT FIT" in "\n".join(lines)
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_cli.engine.plan.lean import GiB, plan_long_context
-from megatrain_cli.engine.plan.lean_terms import layer_saved_bytes, ModelShape
-                                               plan_memory_lean)
+from megatrain_cli.engine.plan.lean import GiB, plan_long_context, plan_memory_lean
+from megatrain_cli.engine.plan.lean_terms import ModelShape, layer_saved_bytes
 from megatrain_cli.engine.plan.memory import activation_bytes_per_layer, device_problem, make_plan
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.presets import PRESETS
@@ -127,10 +126,11 @@ def offloading_bench_budget() -> tuple[int, object]:
     return budget, lean
 
 
-def bench_tiny(monkeypatch, **kwargs):
-    """bench_engine on the tiny preset (2 x 32 tokens, 2 micro-batches, 1 warm-up + 2 steps) over a store we
-    keep: (store, result, log lines, the engine that ran)."""
-    from megatrain_cli.bench.short import bench_engine
+def bench_tiny(monkeypatch, *overrides: str):
+    """The bench on the tiny preset (fp32 on CPU, 2 x 32 tokens, 2 micro-batches, 1 warm-up + 2 steps, recipe
+    `overrides`) over a store we keep: (store, result, log lines, the engine that ran)."""
+    from megatrain_cli.bench.runner import run_bench
+    from megatrain_cli.bench.settings import BenchRun, bench_recipe
     from megatrain_cli.engine import step as engine_step
     from megatrain_cli.models.loader import build_store
 
@@ -140,8 +140,9 @@ def bench_tiny(monkeypatch, **kwargs):
     monkeypatch.setattr(engine_step.Engine, "step",
                         lambda self, *a, **k: engines.append(self) or real_step(self, *a, **k))
     lines = []
-    res = bench_engine("tiny", BATCH, SEQ, 2, grad_accum=ACCUM, device="cpu", store=store, log=lines.append,
-                       **kwargs)
+    r = bench_recipe(["model.preset=tiny", "model.dtype=fp32", "engine.device=cpu", f"train.micro_batch_size={BATCH}",
+                      f"train.seq_len={SEQ}", f"train.grad_accum={ACCUM}", *overrides])
+    res = run_bench(r, BenchRun(steps=2), store=store, log=lines.append)
     return store, res, lines, engines[0]
 
 
@@ -150,7 +151,7 @@ def test_bench_falls_back_to_the_memory_lean_path_and_trains_like_the_ordinary_o
     ref_store, ref, _, ref_engine = bench_tiny(monkeypatch)
     assert ref_engine.long_context is None and ref_engine.interval == 4 and "memory-lean" not in ref.notes
 
-    store, res, lines, engine = bench_tiny(monkeypatch, device_budget=budget)
+    store, res, lines, engine = bench_tiny(monkeypatch, f"engine.max_gpu_mem={budget}B")
     text = "\n".join(lines)
     assert "memory-lean plan: 2 x 32 tokens x 2 micro-batches" in text and "memory-lean path (" in text
     assert res.notes.startswith("memory-lean path: checkpoint interval 1")
@@ -169,14 +170,14 @@ def test_bench_falls_back_to_the_memory_lean_path_and_trains_like_the_ordinary_o
 
 
 def test_bench_refuses_when_the_lean_plan_does_not_fit_either_or_without_the_fallback(monkeypatch):
-    from megatrain_cli.bench.short import DoesNotFit
+    from megatrain_cli.bench.runner import DoesNotFit
 
     budget, _ = offloading_bench_budget()
     with pytest.raises(DoesNotFit, match="device memory: the plan needs") as err:
-        bench_tiny(monkeypatch, device_budget=budget, memory_fallback=False)
+        bench_tiny(monkeypatch, f"engine.max_gpu_mem={budget}B", "engine.memory_fallback=false")
     assert "memory-lean" not in str(err.value)
     with pytest.raises(DoesNotFit) as err:
-        bench_tiny(monkeypatch, device_budget=2**20)
+        bench_tiny(monkeypatch, "engine.max_gpu_mem=1MiB")
     assert "device memory: the plan needs about" in str(err.value)
     assert "memory-lean path: predicted device peak" in str(err.value)
 
@@ -184,12 +185,12 @@ def test_bench_refuses_when_the_lean_plan_does_not_fit_either_or_without_the_fal
 def test_bench_cli_takes_the_lean_path_and_its_flag_refuses(tmp_path):
     budget, _ = offloading_bench_budget()
     args = [sys.executable, "-m", "megatrain_cli", "bench", "--model", "tiny", "--device", "cpu", "--seq", str(SEQ),
-            "--batch", str(BATCH), "--grad-accum", str(ACCUM), "--steps", "1", "--dashboard", "off",
-            "--max-gpu-mem", f"{budget}B"]
+            "--batch", str(BATCH), "--grad-accum", str(ACCUM), "--steps", "1", "logging.dashboard='off'",
+            "model.dtype=fp32", f"engine.max_gpu_mem={budget}B"]
     p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "notes (megatrain): memory-lean path: checkpoint interval 1" in p.stdout
-    p = subprocess.run([*args, "--no-memory-fallback"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    p = subprocess.run([*args, "engine.memory_fallback=false"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and "device memory" in p.stderr and "Traceback" not in p.stderr
 
 

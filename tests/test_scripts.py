@@ -18,9 +18,9 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_bench_variants_runs_each_variant_with_its_engine_settings(tmp_path):
     out = tmp_path / "v.json"
     p = run("scripts/bench_variants.py", "--model", "tiny", "--seq", "64", "--batch", "2", "--steps", "2",
-            "--out", str(out), "--variant", "torch:device=cpu,host_kernel=torch",
-            "--variant", "cpp:device=cpu,host_kernel=cpp,defer_moments=0,adamw_threads=1",
-            "--variant", "short:device=cpu,seq=32,batch=1")
+            "--out", str(out), "engine.device=cpu", "model.dtype=fp32", "--variant", "torch:engine.host_adamw=torch",
+            "--variant", "cpp:engine.host_adamw=cpp,engine.defer_moments=false,engine.adamw_threads=1",
+            "--variant", "short:train.seq_len=32,train.micro_batch_size=1")
     assert p.returncode == 0, p.stderr[-2000:]
     results = json.loads(out.read_text())
     assert list(results) == ["torch", "cpp", "short"]

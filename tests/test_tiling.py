@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_cli.engine import tiling
-from megatrain_cli.engine.plan.lean import ModelShape, layer_saved_bytes, plan_long_context
+from megatrain_cli.engine.plan.lean import plan_long_context
+from megatrain_cli.engine.plan.lean_terms import ModelShape, layer_saved_bytes
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.engine.templates import WeightRedirect, run_bound
 from megatrain_cli.engine.tiling import (best_sdpa_backends, sdpa_backend_context, slim_norms, tile_mlp,

@@ -1,10 +1,10 @@
-"""`--baseline deepspeed`: run DeepSpeed ZeRO-3 Offload (deepspeed_run.py) in a child process and
+"""`--baseline deepspeed`: run DeepSpeed ZeRO-3 Offload (deepspeed_child.py) in a child process and
 watch it.
 
 A child process, because: its host memory (pinned partitions, fp32 master weights, Adam moments) goes
 back to the OS the moment it ends; DeepSpeed's process-group and monkey-patching (zero.Init patches
 torch.Tensor.__new__ and every nn.Module subclass) never touch ours; and when it runs the machine out
-of host memory (the 7B preset does on a 125 GiB machine) it is the child that dies, not us. We do
+of host memory (a 7B model can, on a host that holds our 14 bytes/param) it is the child that dies, not us. We do
 not leave that to the kernel: its OOM killer may pick the wrong process or take minutes while the
 machine swaps or stalls. Instead the child's resident memory (its whole process tree) is sampled every
 0.2 s (faster when memory runs low) and the child is SIGKILLed as soon as the host's available memory
@@ -14,7 +14,6 @@ falls below host_floor_bytes. The row that comes back then says so, with the pea
 from __future__ import annotations
 
 import collections
-import dataclasses
 import gc
 import json
 import os
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Callable
 
 from megatrain_cli.bench.deepspeed_child import EXIT_DEEPSPEED_BROKEN, EXIT_NO_DEEPSPEED
-from megatrain_cli.bench.short import BenchResult
+from megatrain_cli.bench.result import BenchResult, from_dict
 
 GiB = 2**30
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -268,7 +267,7 @@ def _failed(preset: str, batch: int, seq: int, steps: int, notes: str, mon: Moni
 def bench_deepspeed(preset: str, batch: int, seq: int, steps: int, *, warmup: int = 1, log=print,
                     host_floor_bytes: int = 4 << 30, timeout_s: float = 1800.0, reentrant: bool = False,
                     python: str | None = None) -> BenchResult:
-    """DeepSpeed ZeRO-3 Offload on the same model, batch and tokens as bench_engine, in a watched child.
+    """DeepSpeed ZeRO-3 Offload on the same model, batch and tokens as our engine's run, in a watched child.
 
     Always returns a BenchResult. tokens_per_s == 0 means no result; notes then say why: killed for
     host memory (with the child's peak RSS and when), timed out, deepspeed not installed, or the last
@@ -306,8 +305,7 @@ def bench_deepspeed(preset: str, batch: int, seq: int, steps: int, *, warmup: in
         elif mon.returncode == 0 and os.path.exists(out):
             with open(out) as f:
                 data = json.load(f)
-            names = {f.name for f in dataclasses.fields(BenchResult)}
-            res = BenchResult(**{k: v for k, v in data.items() if k in names})
+            res = from_dict(data)
             # the child's own VmHWM misses what it spawned (the cpu_adam JIT build); the sampled tree peak may miss
             # a short spike: report the larger
             res.host_peak_rss_bytes = max(res.host_peak_rss_bytes, mon.peak_rss_bytes)

@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-3 Offload training a random-init preset on one GPU: `megatrain bench --baseline deepspeed`.
 
-A script, run in a process of its own (deepspeed_bench.bench_deepspeed starts it, watches its host
+A script, run in a process of its own (deepspeed.bench_deepspeed starts it, watches its host
 memory and kills it before the machine runs out):
 
     python -m megatrain_cli.bench.deepspeed_child --model 3b --seq 4096 --batch 8 --steps 3 --warmup 1 \
@@ -11,10 +11,10 @@ on the GPU: ZeRO stage 3 with the bf16 parameters AND the fp32 master weights, g
 moments offloaded to pinned CPU memory, DeepSpeedCPUAdam doing the update on the host, overlap_comm,
 contiguous gradients, HF gradient checkpointing and SDPA attention. The model is built directly
 partitioned under deepspeed.zero.Init, so the host never holds a second full copy of it. The tokens
-are exactly those of bench.synthetic_batch (step s uses seed s * 97), and the FLOPs are counted as
-bench.bench_native counts them, so the rows compare like for like.
+are exactly those of loop.synthetic_batch (step s uses seed s * 97), and the FLOPs are counted as
+short.bench_native counts them, so the rows compare like for like.
 
-Output: one JSON object with the fields of bench.BenchResult (name='deepspeed'), written to --out
+Output: one JSON object with the fields of result.BenchResult (name='deepspeed'), written to --out
 only when every step ran. Progress goes to stdout, one flushed line per step.
 
 Exit codes: 0 done; 3 deepspeed is not installed; 4 deepspeed is installed but does not import;
@@ -133,7 +133,7 @@ def rss_bytes() -> tuple[int, int]:
 
 
 def synthetic_ids(vocab: int, batch: int, seq: int, seed: int):
-    """The token ids of bench.synthetic_batch (labels are a copy of them); kept here so this script
+    """The token ids of loop.synthetic_batch (labels are a copy of them); kept here so this script
     does not import the engine (tests check the two agree)."""
     import torch
 

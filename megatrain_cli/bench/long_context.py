@@ -1,62 +1,42 @@
-"""`megatrain bench` at long context (issue #9): one sequence of 32K-512K tokens per step.
+"""`megatrain bench` on the long-context path: sequences of train.seq_len >= engine.long_context_min_seq
+(the planner's rule, as in `train`), typically one sequence of 32K-512K tokens per step.
 
-The engine runs with a LongContextPlan (engine/long_context.py): checkpoint interval 1, the MLP tiled
-over the sequence, the loss in chunks, as many layer checkpoints in pinned host memory as the device
-budget needs, SDPA restricted to cuDNN / flash / memory-efficient. The plan is printed first; a plan
-that does not fit is refused with the reason (a BenchResult whose notes start 'does not fit:' and whose
-tokens_per_s is 0), nothing is allocated on the device.
+The engine runs the planner's LongContextPlan: checkpoint interval 1, the MLP tiled over the sequence
+where that helps, the loss in chunks, as many layer checkpoints in pinned host memory as the device
+budget needs, SDPA restricted to cuDNN / flash / memory-efficient. A plan that does not fit is answered
+with a row whose notes start 'does not fit:' and whose tokens_per_s is 0; nothing is allocated.
 
 Reported: step time (wall, from the first timed step to the last step's optimizer updates landed),
-model TFLOPS with bench's formula (6 x matmul params x tokens + 6 x batch x seq^2 x hidden x layers,
-recompute not counted), executed TFLOPS (adds every layer's recomputed forward and the tiled MLP's
-recomputed gate/up projections), the measured device peak against the plan's prediction, the phase
-times of StepResult.times and the per-layer figures in `notes`.
+model TFLOPS (result.py's formula, recompute not counted), executed TFLOPS (adds every layer's
+recomputed forward and the tiled MLP's recomputed gate/up projections), the measured device peak
+against the plan's prediction, the phase times of StepResult.times and the per-layer figures in `notes`.
 
 Every layer's forward and recompute + backward wall time is logged as it completes (LayerClock), so a
-run killed by a time limit still leaves per-layer figures. With `layers` below the preset's (a 512K step
-of all 28 layers of the 7B preset takes ~10 minutes), the result also carries the full model's step,
-extrapolated from those per-layer figures (`extrapolate`), and the full model's memory plan.
+run killed by a time limit still leaves per-layer figures. With --layers below the model's (a whole
+model's step at 512K takes minutes), the result also carries the whole model's step, extrapolated from
+those per-layer figures (`extrapolate`), and the whole model's memory plan. The layers that run take the
+whole model's plan choices (RMSNorm, MLP tiling, loss chunk), so each runs what it would in the whole model.
 """
 
 from __future__ import annotations
 
-import gc
-import os
+import dataclasses
 import statistics
 import sys
 import time
 
 import torch
 
-from megatrain_cli.bench.short import BenchResult, bench_config, model_label, synthetic_batch
-from megatrain_cli.bench.loop import run_timed_steps
-from megatrain_cli.engine.plan.lean import GiB, LongContextPlan, choose_plan, host_budget_bytes, refusal
-from megatrain_cli.engine.step import Engine
+from megatrain_cli.bench.loop import run_timed_steps, synthetic_batch
+from megatrain_cli.bench.result import BenchResult
+from megatrain_cli.engine.plan.lean import GiB, choose_plan, refusal
+from megatrain_cli.engine.plan.step_plan import DTYPES, plan_step
 from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
-from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.metrics.flops import streamed_step_flops
-from megatrain_cli.models.loader import build_store
-from megatrain_cli.presets import PRESETS
-from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import HostStore
 
 NAME = "long-ctx"
-
-
-def _expandable_segments(dev: torch.device) -> str:
-    """Multi-GiB activations of varying size fragment the caching allocator; expandable segments avoid
-    it. Switched on here unless PYTORCH_CUDA_ALLOC_CONF says otherwise (the recommended way is the
-    environment variable: it holds from the first allocation)."""
-    if dev.type != "cuda":
-        return ""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    if conf:
-        return conf
-    try:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-        return "expandable_segments:True (set by bench_long)"
-    except Exception as err:  # noqa: BLE001 - private API; the run goes on without it
-        return f"default (could not set expandable_segments: {err})"
 
 
 def _fmt(seconds: float) -> str:
@@ -73,12 +53,11 @@ class LayerClock:
     marks add up to the layer phase of the step.
 
     Cost: one host sync of the compute stream per op (not the copy streams: weight prefetch and
-    checkpoint offload keep overlapping). At 128K+ a layer pass takes 0.3-20 s and the sync only gives
-    up the host's run-ahead into the next layer's kernel launches (milliseconds); at 32K (0.05 s per
-    forward layer) that is about 1-2%. Only the long-context bench installs it: bench_engine's short
-    steps keep their one sync per step."""
+    checkpoint offload keep overlapping): the host gives up its run-ahead into the next layer's kernel
+    launches, milliseconds per layer pass. Small against a long sequence's layer pass, a visible share of
+    a short one's, so only the long-context path installs it; the short path keeps one sync per step."""
 
-    def __init__(self, engine: Engine, say, *, prefix: str = "[bench-long]"):
+    def __init__(self, engine, say, *, prefix: str = "[bench-long]"):
         self.say, self.prefix = say, prefix
         self.steps: list[dict] = []  # per step begun: forward / recompute / backward {layer: s}, head s
         self._mark = 0.0
@@ -164,134 +143,98 @@ def format_extrapolation(x: dict) -> str:
     return "\n".join(lines)
 
 
-def full_model_plan(preset: str, seq: int, store: HostStore, *, host_budget: int, host_budget_measured: bool,
-                    **plan_options) -> tuple[LongContextPlan, HostStore]:
-    """The plan of the preset's whole layer count (computed, not run) and its unallocated store (for its
-    FLOPs). A host budget read from the machine is lowered by the host memory the larger store would take."""
-    full = HostStore(ModelAdapter(bench_config(preset, seq)), store.compute_dtype, allocate=False)
-    if host_budget_measured:
-        host_budget = max(0, host_budget - max(0, full.host_bytes() - store.host_bytes()))
-    return choose_plan(full.adapter, seq, host_budget_bytes=host_budget, **plan_options), full
+def take_whole_models_plan(planned, whole_adapter, *, log=print) -> None:
+    """--layers on the long-context path: plan the whole model too (computed, not run) and make the run's
+    plan take its choices (RMSNorm, MLP tiling, loss chunk), re-deciding only the offload for the layers
+    that run. Sets planned.full / full_store; replaces planned.plan's lean plan where the choices differ."""
+    r, dev = planned.r, planned.device
+    full = plan_step(r, whole_adapter, dev).lean
+    planned.full = full
+    planned.full_store = HostStore(whole_adapter, DTYPES[r.model.dtype], allocate=False)
+    log(f"[bench-long] the whole {full.num_checkpoints}-layer model's plan (computed, not run): {full.summary()}; "
+        f"{'fits' if full.fits else 'DOES NOT FIT: ' + refusal(full)}")
+    own = planned.plan.lean
+    if (own.lean_norms, own.mlp_tile_tokens, own.loss_chunk_tokens) == \
+            (full.lean_norms, full.mlp_tile_tokens, full.loss_chunk_tokens):
+        return
+    lean = choose_plan(ModelAdapter(planned.config), own.seq_len, batch=own.batch, grad_accum=own.grad_accum,
+                       device_budget_bytes=own.budget, host_budget_bytes=own.host_budget, dtype=DTYPES[r.model.dtype],
+                       layer_slots=r.engine.layer_slots, loss_chunk_tokens=full.loss_chunk_tokens,
+                       tile_mlp=full.mlp_tile_tokens is not None, lean_norms=full.lean_norms, device_type=dev.type)
+    problems = [p for p in planned.problems if own.fits or refusal(own) not in p]  # all but the run's own refusal
+    if not lean.fits:
+        problems.append(f"long context: {refusal(lean)}")
+    planned.plan = dataclasses.replace(planned.plan, lean=lean, loss_chunk_tokens=lean.loss_chunk_tokens,
+                                       problems=list(problems))
+    planned.problems = problems
 
 
-def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0, device_budget: int | None = None,
-                       host_budget: int | None = None, log=print, device: str = "cuda", batch: int = 1,
-                       lean_norms: bool | None = None, mlp_tile_tokens: int = 8192, tile_mlp: bool | None = None,
-                       loss_chunk_tokens: int = 4096, offload: bool | None = None, headroom: float = 0.95,
-                       sdpa: str = "auto", max_grad_norm: float | None = 1.0, store=None, layers: int | None = None,
-                       **engine_kwargs) -> BenchResult:
-    """Warm-up + timed full optimizer steps (engine.step) of `preset` at `batch` x `seq` synthetic tokens
-    on the long-context path. `device_budget`: device bytes the plan may use (default: the GPU's total;
-    on CPU what the host has free). `host_budget`: host bytes the offloaded checkpoints may take
-    (default: MemAvailable after the host store, minus the engine's pinned buffers and 4 GiB).
-    lean_norms None: HF RMSNorm when that plan fits, else the lean one. engine_kwargs go to Engine
-    (layer_slots, grad_slabs, double_buffer, overlap_optimizer, speculate, update_on_read). `store`: a host store of
-    this preset (and `layers`) built earlier (several runs share one initialisation).
-
-    `layers`: run that many layers instead of the preset's (bench.bench_config). The whole model's plan is
-    computed too (not run); its RMSNorm, MLP tiling and loss chunk are the run's unless given, so each
-    measured layer runs what it would in the whole model. The result then carries `extrapolated`: the
-    whole model's step from the measured per-layer times (`extrapolate`) and its planned device peak and
-    pinned host bytes next to the measured peak."""
-
+def _say(log):
+    """log, then flush: a run killed by a time limit leaves every line it printed."""
     def say(message: str) -> None:
         log(message)
         sys.stdout.flush()
         sys.stderr.flush()
+    return say
 
-    if steps < 1:
-        raise ValueError(f"steps must be >= 1, got {steps}")
-    config = bench_config(preset, seq, layers)
-    truncated = config.num_hidden_layers != PRESETS[preset].num_hidden_layers
-    dev = torch.device(device)
-    alloc_conf = _expandable_segments(dev)
-    t0 = time.perf_counter()
-    if store is None:
-        store = build_store(config, torch.bfloat16 if dev.type == "cuda" else torch.float32, seed=0)
-    say(f"[bench-long] host store ready: {store.num_params() / 1e9:.2f} B params, "
-        f"{store.host_bytes() / GiB:.1f} GiB, init {time.perf_counter() - t0:.1f} s")
 
-    layer_slots = engine_kwargs.get("layer_slots", 2)
-    grad_slabs = engine_kwargs.get("grad_slabs", 12)
-    width = torch.finfo(store.compute_dtype).bits // 8
-    engine_pinned = (2 + grad_slabs) * store.largest_layer_numel() * width if dev.type == "cuda" else 0
-    if device_budget is None:
+def refused(planned, *, log=print) -> BenchResult:
+    """The row of a long-context plan that does not fit: why, and nothing allocated."""
+    lean = planned.plan.lean
+    reason = refusal(lean) if not lean.fits else "; ".join(planned.problems)
+    _say(log)(f"[bench-long] does not fit: {reason}")
+    t = planned.r.train
+    return BenchResult(name=NAME, model=planned.label, batch=t.micro_batch_size, seq=t.seq_len, steps=0,
+                       step_time_s=0.0, tokens_per_s=0.0, model_tflops=0.0, executed_tflops=0.0,
+                       peak_device_bytes=0, host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(),
+                       notes=f"does not fit: {reason}")
+
+
+def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> BenchResult:
+    """Warm-up + timed full optimizer steps of `engine` (built for planned.plan) on synthetic tokens, with
+    the per-layer clock; closes the engine. A CUDA out-of-memory error ends the loop and the row reports
+    the steps before it."""
+    say = _say(log)
+    r, plan, dev = planned.r, planned.plan.lean, planned.device
+    batch, seq, accum = r.train.micro_batch_size, r.train.seq_len, r.train.grad_accum
+    warmup, steps, full = run.warmup_steps(True), run.steps, planned.full
+    if plan.host_budget is not None:
+        say(f"[bench-long] host budget for offloaded checkpoints {plan.host_budget / GiB:.1f} GiB")
+    try:
+        clock = LayerClock(engine, say)
+        t_pin = time.perf_counter()
+        pinned = engine.reserve_checkpoint_buffers([(batch, seq)] * accum)
+        t_pin = time.perf_counter() - t_pin
+        if pinned:
+            say(f"[bench-long] pinned {pinned / GiB:.1f} GiB for the offloaded checkpoints in {t_pin:.1f} s")
         if dev.type == "cuda":
-            device_budget = torch.cuda.get_device_properties(dev).total_memory
-        else:  # the CPU "device" is the host: what is free besides the store
-            device_budget = host_budget_bytes(0, 0)
-    host_budget_measured = host_budget is None
-    if host_budget is None:
-        host_budget = host_budget_bytes(engine_pinned)
-    options = dict(batch=batch, device_budget_bytes=device_budget, dtype=store.compute_dtype, layer_slots=layer_slots,
-                   mlp_tile_tokens=mlp_tile_tokens, offload=offload, headroom=headroom)
-    full = full_store = None
-    if truncated:
-        full, full_store = full_model_plan(preset, seq, store, host_budget=host_budget,
-                                           host_budget_measured=host_budget_measured, tile_mlp=tile_mlp,
-                                           loss_chunk_tokens=loss_chunk_tokens, lean_norms=lean_norms, **options)
-        say(f"[bench-long] the whole {PRESETS[preset].num_hidden_layers}-layer model's plan (computed, not run): "
-            f"{full.summary()}; {'fits' if full.fits else 'DOES NOT FIT: ' + refusal(full)}")
-        # Each measured layer runs what it would in the whole model (its checkpoint offload aside).
-        lean_norms = full.lean_norms if lean_norms is None else lean_norms
-        tile_mlp = (full.mlp_tile_tokens is not None) if tile_mlp is None else tile_mlp
-        loss_chunk_tokens = full.loss_chunk_tokens
-    plan = choose_plan(store.adapter, seq, host_budget_bytes=host_budget, tile_mlp=tile_mlp,
-                       loss_chunk_tokens=loss_chunk_tokens, lean_norms=lean_norms, **options)
-    say(plan.render())
-    say(f"[bench-long] host budget for offloaded checkpoints {host_budget / GiB:.1f} GiB "
-        f"(engine pinned buffers {engine_pinned / GiB:.1f} GiB)")
-    tokens = batch * seq
-    base = dict(name=NAME, model=model_label(preset, layers), batch=batch, seq=seq, host_rss_bytes=host_rss_bytes())
-    if not plan.fits:
-        reason = refusal(plan)
-        say(f"[bench-long] does not fit: {reason}")
-        return BenchResult(**base, steps=0, step_time_s=0.0, tokens_per_s=0.0, model_tflops=0.0,
-                           executed_tflops=0.0, peak_device_bytes=0, host_peak_rss_bytes=peak_rss_bytes(),
-                           notes=f"does not fit: {reason}")
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
 
-    cfg = TrainConfig(steps=steps + warmup, lr=1e-5, max_grad_norm=max_grad_norm, grad_accum=1,
-                      micro_batch_size=batch, seq_len=seq)
-    # The pipelined host optimizer is the CUDA engine's (the trainer turns it off on CPU too).
-    engine_kwargs["overlap_optimizer"] = engine_kwargs.get("overlap_optimizer", True) and dev.type == "cuda"
-    engine = Engine(store, cfg, device=dev, checkpoint_interval=plan.checkpoint_interval,
-                    loss_chunk_tokens=plan.loss_chunk_tokens, long_context=plan, sdpa=sdpa, **engine_kwargs)
-    clock = LayerClock(engine, say)
-    t_pin = time.perf_counter()
-    pinned = engine.reserve_checkpoint_buffers([(batch, seq)])
-    t_pin = time.perf_counter() - t_pin
-    if pinned:
-        say(f"[bench-long] pinned {pinned / GiB:.1f} GiB for the offloaded checkpoints in {t_pin:.1f} s")
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
+        def show(s: int, res, took: float) -> None:
+            say(f"[bench-long] step {s}{' (warm-up)' if s < warmup else ''}: {took:.2f} s, loss {res.loss:.4f} "
+                f"norm {res.grad_norm:.3f} " + " ".join(f"{k} {v:.2f}" for k, v in res.times.items())
+                + (f" peak {torch.cuda.max_memory_allocated(dev) / GiB:.1f} GiB" if dev.type == "cuda" else ""))
 
-    def show(s: int, res, took: float) -> None:
-        say(f"[bench-long] step {s}{' (warm-up)' if s < warmup else ''}: {took:.2f} s, loss {res.loss:.4f} "
-            f"norm {res.grad_norm:.3f} " + " ".join(f"{k} {v:.2f}" for k, v in res.times.items())
-            + (f" peak {torch.cuda.max_memory_allocated(dev) / GiB:.1f} GiB" if dev.type == "cuda" else ""))
-
-    timed = run_timed_steps(engine, lambda s: [synthetic_batch(config.vocab_size, batch, seq, seed=s * 97)],
-                            warmup=warmup, steps=steps, on_step=show, stop_on_oom=True)
-    results, losses, step_times, stall, wall = (timed.results, timed.losses, timed.step_times, timed.stall_s,
-                                                timed.wall_s)
-    failure = timed.failure
+        vocab = planned.config.vocab_size
+        timed = run_timed_steps(
+            engine, lambda s: [synthetic_batch(vocab, batch, seq, seed=s * 97 + k) for k in range(accum)],
+            warmup=warmup, steps=steps, on_step=show, stop_on_oom=True)
+        late = engine.offloader.late_gets
+    finally:
+        engine.close()
+    results, losses, stall, wall, failure = timed.results, timed.losses, timed.stall_s, timed.wall_s, timed.failure
     if failure:
         say(f"[bench-long] {failure}")
     peak_dev = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else 0
-    stats = dict(d2h=timed.offload_d2h_bytes, h2d=timed.offload_h2d_bytes, late=engine.offloader.late_gets)
-    engine.close()
-    del engine
-    gc.collect()
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
 
+    base = dict(name=NAME, model=planned.label, batch=batch * accum, seq=seq, host_rss_bytes=host_rss_bytes())
     plan_line = (f"interval {plan.checkpoint_interval}, MLP tile {plan.mlp_tile_tokens or 'none'}, loss chunk "
                  f"{plan.loss_chunk_tokens}, RMSNorm {'lean' if plan.lean_norms else 'HF'}, offloaded "
                  f"{plan.offloaded_checkpoints}/{plan.num_checkpoints} checkpoints "
-                 f"({plan.host_pinned_bytes / GiB:.1f} GiB pinned, reserved in {t_pin:.1f} s), sdpa {sdpa}, "
-                 f"allocator {alloc_conf or 'n/a'}; predicted peak {plan.predicted_peak / GiB:.1f} GiB "
+                 f"({plan.host_pinned_bytes / GiB:.1f} GiB pinned, reserved in {t_pin:.1f} s), sdpa {r.engine.sdpa}, "
+                 f"allocator {allocator or 'n/a'}; predicted peak {plan.predicted_peak / GiB:.1f} GiB "
                  f"({plan.peak_phase})")
     if not results:
         return BenchResult(**base, steps=0, step_time_s=0.0, tokens_per_s=0.0, model_tflops=0.0, executed_tflops=0.0,
@@ -301,37 +244,35 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
 
     n = len(results)
     step_time = wall / n
-    base["host_rss_bytes"] = host_rss_bytes()
-    layers_run = config.num_hidden_layers
+    tokens = batch * seq * accum
+    layers_run = planned.config.num_hidden_layers
     # Interval 1: every layer is recomputed once.
-    flops, executed = streamed_step_flops(store, rows=batch, seq=seq, recomputed_layers=layers_run,
+    flops, executed = streamed_step_flops(store, rows=batch * accum, seq=seq, recomputed_layers=layers_run,
                                           mlp_tile_tokens=plan.mlp_tile_tokens)
-    phases = {k: sum(r.times.get(k, 0.0) for r in results) / n for k in ("forward", "head", "backward", "optimizer")}
+    phases = {k: sum(x.times.get(k, 0.0) for x in results) / n for k in ("forward", "head", "backward", "optimizer")}
     split = {k: round(v, 3) for k, v in phases.items()}
     split["gpu_stall_on_weights"] = round(stall / n, 3)
-    weights_h2d = sum(r.h2d_bytes for r in results)
     fwd_layer, bwd_layer, samples = clock.per_layer(warmup, n)
     per_layer = (f"per layer: forward {_fmt(fwd_layer)}, recompute + backward {_fmt(bwd_layer)} (medians of "
                  f"{samples} layer passes, host-synced per layer)")
     measured = (f"measured peak {peak_dev / GiB:.1f} GiB allocated ({peak_dev / max(1, plan.predicted_peak):.0%} of "
                 f"predicted), {reserved / GiB:.1f} GiB reserved" if dev.type == "cuda" else "measured peak n/a (cpu)")
+    d2h, h2d = timed.offload_d2h_bytes, timed.offload_h2d_bytes
     notes = "; ".join(x for x in [
         failure and f"{failure} after {n} timed step(s)",
         plan_line, measured, per_layer,
         "phases " + ", ".join(f"{k} {_fmt(v)}" for k, v in phases.items()),
-        f"step times {', '.join(_fmt(t) for t in step_times)}",
-        f"checkpoint offload D2H {stats['d2h'] / n / GiB:.1f} GiB/step, H2D {stats['h2d'] / n / GiB:.1f} GiB/step, "
-        f"late gets {stats['late']}",
+        f"step times {', '.join(_fmt(t) for t in timed.step_times)}",
+        f"checkpoint offload D2H {d2h / n / GiB:.1f} GiB/step, H2D {h2d / n / GiB:.1f} GiB/step, late gets {late}",
     ] if x)
     extrapolated = {}
     if full is not None and not failure:
-        full_flops, full_executed = streamed_step_flops(full_store, rows=batch, seq=seq,
+        full_flops, full_executed = streamed_step_flops(planned.full_store, rows=batch * accum, seq=seq,
                                                         recomputed_layers=full.num_checkpoints,
                                                         mlp_tile_tokens=plan.mlp_tile_tokens)
         extrapolated = extrapolate(step_time=step_time, measured_layers=layers_run, full_layers=full.num_checkpoints,
                                    forward_per_layer=fwd_layer, backward_per_layer=bwd_layer, samples=samples,
-                                   tokens=tokens,
-                                   full_flops=full_flops, full_executed_flops=full_executed)
+                                   tokens=tokens, full_flops=full_flops, full_executed_flops=full_executed)
         extrapolated.update(
             planned_peak_device_bytes=full.predicted_peak,
             planned_peak_phase=full.peak_phase, planned_host_pinned_bytes=full.host_pinned_bytes,
@@ -347,8 +288,8 @@ def bench_long_context(preset: str, seq: int, *, steps: int = 1, warmup: int = 0
         model_tflops=flops / step_time / 1e12, executed_tflops=executed / step_time / 1e12,
         peak_device_bytes=peak_dev, host_peak_rss_bytes=peak_rss_bytes(),
         bytes_per_param=store.host_bytes() / store.num_params(),
-        h2d_gbps=(weights_h2d + stats["h2d"]) / wall / 1e9 if wall else None,
-        d2h_gbps=(sum(r.d2h_bytes for r in results) + stats["d2h"]) / wall / 1e9 if wall else None,
+        h2d_gbps=(sum(x.h2d_bytes for x in results) + h2d) / wall / 1e9 if wall else None,
+        d2h_gbps=(sum(x.d2h_bytes for x in results) + d2h) / wall / 1e9 if wall else None,
         overlap=(1.0 - stall / wall) if dev.type == "cuda" and wall else None, split=split, losses=losses,
         notes=notes, extrapolated=extrapolated)
     say(f"[bench-long] {n} step(s): {step_time:.2f} s/step, {result.tokens_per_s:.0f} tokens/s, model "

@@ -1,6 +1,6 @@
-"""The timed step loop of `megatrain bench`, shared by bench.bench_engine (short context and the memory-lean
-fallback) and bench_long.bench_long_context (one long sequence): warm-up steps, then timed ones; the wall
-clock runs from the first timed step until the last step's host optimizer updates have landed.
+"""The timed step loop of `megatrain bench` and its synthetic batches, shared by every path (short.py,
+long_context.py, ranks.py): warm-up steps, then timed ones; the wall clock runs from the first timed step
+until the last step's host optimizer updates have landed, so a pipelined optimizer's tail is paid for.
 """
 
 from __future__ import annotations
@@ -14,6 +14,14 @@ import torch
 from megatrain_cli.engine.step import Engine, MicroBatch, StepResult
 
 BENCH_LR = 1e-5
+
+
+def synthetic_batch(vocab: int, batch: int, seq: int, seed: int) -> MicroBatch:
+    """Uniform random tokens, one document per row (no packing, no mask): step s, micro-batch k takes seed
+    s * 97 + k on every path and in the baselines (deepspeed_child.synthetic_ids draws the same ids)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    return MicroBatch(ids, ids.clone())
 
 
 @dataclass

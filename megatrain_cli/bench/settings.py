@@ -1,0 +1,155 @@
+"""What `megatrain bench` runs: a recipe (default: recipes/bench.yaml, bench's own defaults) plus `train`'s
+key=value overrides, read by the same load_recipe, and the few shorthands that stand for recipe keys.
+
+Every engine setting is a recipe key; what is left to the command line describes the measurement
+(BenchRun: timed steps, warm-up, --layers). The flags bench had before the recipe are answered with
+the key that replaced them, so an old command line fails with its fix instead of a bare 'unknown option'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatrain_cli.recipe import Recipe, RecipeError, load_recipe
+
+
+def default_recipe() -> Path:
+    """recipes/bench.yaml: the repo's (editable install), else the copy inside the package."""
+    repo = Path(__file__).resolve().parents[2] / "recipes" / "bench.yaml"
+    return repo if repo.is_file() else Path(__file__).resolve().parents[1] / "recipes" / "bench.yaml"
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """The measurement, as opposed to the training (the recipe): how many steps are timed after how
+    many untimed ones, and whether the model runs with another layer count than its own."""
+
+    steps: int = 3
+    warmup: int | None = None  # None: 1 step, 0 on the long-context path (where one step takes minutes)
+    layers: int | None = None  # the same layer shape, fewer (or more) of them; presets only
+    optimizer: bool = True  # False: forward + backward alone (the reference for the optimizer's share)
+    frame: str | None = None  # write the last step's dashboard frame (text) here
+
+    def warmup_steps(self, long_context: bool) -> int:
+        return (0 if long_context else 1) if self.warmup is None else self.warmup
+
+
+def parse_tokens(text: str | int) -> int:
+    """'512k' -> 524288, '4096' -> 4096."""
+    s = str(text).strip().lower()
+    mult = {"k": 1024, "m": 1024 * 1024}.get(s[-1:], 1)
+    try:
+        return int(float(s[:-1] if mult > 1 else s) * mult)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a token count (e.g. 4096, 32k, 512k)") from None
+
+
+def shorthands(*, model: str | None = None, seq: str | int | None = None, batch: int | None = None,
+               grad_accum: int | None = None, device: str | None = None) -> list[str]:
+    """The overrides the shorthand options stand for. --model names a preset instead of the recipe's
+    model (its model.path goes); --seq takes 512k."""
+    out = []
+    if model is not None:
+        out += ["~model.path", f"model.preset={model}"]
+    if seq is not None:
+        out.append(f"train.seq_len={parse_tokens(seq)}")
+    for key, value in (("train.micro_batch_size", batch), ("train.grad_accum", grad_accum), ("engine.device", device)):
+        if value is not None:
+            out.append(f"{key}={value}")
+    return out
+
+
+# bench's flags before the recipe: each is now a recipe key. (flag, takes a value, what to write instead)
+MOVED_FLAGS = {
+    "--checkpoint-interval": (True, "engine.checkpoint_interval=N"),
+    "--layer-slots": (True, "engine.layer_slots=N"),
+    "--max-gpu-mem": (True, "engine.max_gpu_mem=24GiB"),
+    "--keep-activations": (True, "engine.keep_activations=auto|N"),
+    "--max-grad-norm": (True, "train.max_grad_norm=1.0 (null: no clipping)"),
+    "--no-double-buffer": (False, "engine.double_buffer=false"),
+    "--no-speculation": (False, "engine.speculate_optimizer=false"),
+    "--no-overlap-optimizer": (False, "engine.overlap_optimizer=false"),
+    "--long-context": (True, "engine.long_context_min_seq=N (the long-context path from train.seq_len N; "
+                             "null: never)"),
+    "--sdpa": (True, "engine.sdpa=auto|flash|cudnn|efficient|math"),
+    "--kernels": (True, "engine.kernels=auto|torch|triton"),
+    "--host-adamw": (True, "engine.host_adamw=auto|cpp|torch"),
+    "--no-defer-moments": (False, "engine.defer_moments=false"),
+    "--no-update-on-read": (False, "engine.update_on_read=false"),
+    "--no-memory-fallback": (False, "engine.memory_fallback=false"),
+    "--dist-sync": (False, "engine.overlap_ranks=false"),
+    "--dashboard": (True, "logging.dashboard=auto|rich|plain|'off' (quoted: YAML reads a bare off as false)"),
+    "--device-cast": (False, None),
+}
+
+
+def split_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
+    """The command line's words besides its options, in order: (the recipe path or None, the key=value /
+    ~key overrides, problems). One word without '=' is the recipe; an old flag (MOVED_FLAGS) is answered
+    with its key, its value skipped."""
+    recipe, overrides, problems, i = None, [], [], 0
+    while i < len(args):
+        arg = args[i]
+        flag = arg.split("=", 1)[0]
+        i += 1
+        if flag in MOVED_FLAGS:
+            takes_value, key = MOVED_FLAGS[flag]
+            i += int(takes_value and "=" not in arg and i < len(args))
+            problems.append(f"{flag}: removed (the feature is gone)" if key is None else
+                            f"{flag}: now a recipe key: {key}")
+        elif arg.startswith("-") and not arg.startswith("~"):
+            problems.append(f"{arg}: no such option of `megatrain bench` (engine settings are recipe keys, "
+                            f"key.sub=value; `megatrain bench --help` lists them)")
+        elif "=" in arg or arg.startswith("~"):
+            overrides.append(arg)
+        elif recipe is None:
+            recipe = arg
+        else:
+            problems.append(f"{arg}: one recipe at most (already {recipe}); overrides are key.sub=value")
+    return recipe, overrides, problems
+
+
+def bench_recipe(args: list[str] = (), *, shorthand: list[str] = ()) -> Recipe:
+    """The bench's recipe from the command line's words ([RECIPE] key=value ... ~key): RECIPE (default
+    recipes/bench.yaml) with the `shorthand` overrides, then the words' (explicit keys win), validated
+    by load_recipe. Raises RecipeError listing every problem, the old flags' included. data.packing
+    is set false: bench's batches are one document per row, and the planner refuses packed rows too
+    long for their mask."""
+    path, overrides, problems = split_args(list(args))
+    path = path or default_recipe()
+    try:
+        r = load_recipe(path, [*shorthand, *overrides])
+    except RecipeError as err:
+        problems += err.problems
+    if problems:
+        raise RecipeError(problems, str(path))
+    return dataclasses.replace(r, data=dataclasses.replace(r.data, packing=False))
+
+
+def bench_model_config(r: Recipe, layers: int | None = None):
+    """The HF config the bench runs: train/setup.model_config (a preset without a tokenizer has a
+    1024-token vocabulary when it names none, as tiny), with `layers` decoder layers instead of the
+    model's: the same layer shape, fewer of them, times a long sequence's layers cheaply."""
+    from megatrain_cli.models.adapter import check_architecture
+    from megatrain_cli.train.setup import model_config
+
+    if layers is not None and layers < 1:
+        raise ValueError(f"layers must be >= 1, got {layers}")
+    if layers is not None and r.model.path is not None:
+        raise ValueError("--layers: presets only (model.preset); a model.path has its own layer count")
+    config = model_config(r)
+    if layers is None or layers == config.num_hidden_layers:
+        return config
+    data = config.to_dict()
+    data["num_hidden_layers"] = layers
+    data.pop("layer_types", None)  # rebuilt for the new layer count
+    config = type(config).from_dict(data)
+    check_architecture(config)
+    return config
+
+
+def model_name(r: Recipe) -> str:
+    """The preset, or the model directory's name."""
+    return r.model.preset if r.model.preset is not None else Path(r.model.path).name
