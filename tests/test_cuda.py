@@ -140,12 +140,12 @@ def test_cpp_host_kernel_and_deferred_moments_on_the_cuda_pipeline():
 
 
 def test_updates_applied_on_read_on_the_cuda_pipeline():
-    """optim/worker.py read-through on the CUDA pipeline: the packer applies each clipped step's deferred
+    """optim/worker.py update on read on the CUDA pipeline: the packer applies each clipped step's deferred
     weight update while it fills pinned staging; the run is bit-identical to the worker's weights pass +
     the packer's cast (same losses, same state)."""
-    from megatrain_cli.optim import adamw_cpp as host_kernels
+    from megatrain_cli.optim import adamw_cpp
 
-    if not host_kernels.available():
+    if not adamw_cpp.available():
         pytest.skip("the C++ host kernel does not compile here")
     runs = []
     for on_read in (False, True):

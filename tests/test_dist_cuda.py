@@ -1,5 +1,5 @@
 """Two GPUs (`pytest -m cuda` on a machine with at least two): the overlapped data-parallel pipeline
-(engine/dist_pipeline.py) on NCCL trains as the single-GPU engine does, and repeatably.
+(engine/transfer/sharded_cuda.py) on NCCL trains as the single-GPU engine does, and repeatably.
 
 Two ranks, 3 steps with clipping active, a tiny model:
   fp32  the gathered masters and the losses equal the single-GPU engine's (CudaStreamer) within the

@@ -2,11 +2,11 @@
 
 Each rank holds half of every tile (store/sharded.py) and half of every step's micro-batches; layers
 are all-gathered, gradients reduce-scattered, the loss normalised by the global token count and the
-gradient norm all-reduced (engine/distributed.py). After 3 steps (gradient accumulation, clipping
+gradient norm all-reduced (engine/dist.py, engine/transfer/sharded.py). After 3 steps (gradient accumulation, clipping
 active) the gathered fp32 masters must equal a single-process Engine's on the same global batches,
 as tightly as tests/test_parity.py compares the engine with plain PyTorch.
 
-The same ranks then run the overlapped CUDA pair (engine/dist_pipeline.py) on the CPU, with torch.cuda's
+The same ranks then run the overlapped CUDA pair (engine/transfer/sharded_cuda.py) on the CPU, with torch.cuda's
 streams, events and pinned memory replaced by synchronous stand-ins: what runs is its real packer and
 gradient-lander threads, its two communicators (the weight all-gathers from the packer thread, the rest
 from the training thread; gloo here), its padded slots, shard offsets and chunked staging and slabs.

@@ -173,3 +173,10 @@ def test_host_adamw_keys():
         == ("auto", True)
     with pytest.raises(RecipeError, match="host_adamw"):
         load_recipe(RECIPES / "tiny.yaml", ["engine.host_adamw=fast"])
+
+
+def test_a_bare_off_reaches_a_literal_that_has_it():
+    """YAML 1.1 reads `off` as false: a key whose choices include 'off' takes it as the word; others refuse."""
+    assert load_recipe(RECIPES / "tiny.yaml", ["logging.dashboard=off"]).logging.dashboard == "off"
+    with pytest.raises(RecipeError, match=re.escape("engine.kernels: expected 'auto' | 'torch' | 'triton', got True")):
+        load_recipe(RECIPES / "tiny.yaml", ["engine.kernels=on"])

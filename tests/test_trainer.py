@@ -222,12 +222,15 @@ def test_eval_on_trained_model_writes_results(straight, tmp_path):
 
 @pytest.mark.parametrize("phase,advice", [("_head", "loss_chunk_tokens"), ("_backward_layer", "checkpoint_interval")])
 def test_cuda_out_of_memory_names_the_phase_and_what_to_change(tmp_path, capsys, monkeypatch, phase, advice):
-    from megatrain_cli.engine.step import Engine
+    from megatrain_cli.engine import step as engine_step
 
     def out_of_memory(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(Engine, phase, out_of_memory)
+    if phase == "_head":  # the head phase is engine/head.py's run_head, which step.py calls
+        monkeypatch.setattr(engine_step, "run_head", out_of_memory)
+    else:
+        monkeypatch.setattr(engine_step.Engine, phase, out_of_memory)
     out = tmp_path / "oom"
     code = run_training(recipe(out, "train.steps=2", "checkpoint.every_n_steps=1"))
     err = capsys.readouterr().err

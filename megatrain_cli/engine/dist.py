@@ -41,7 +41,7 @@ class DistContext:
     device: torch.device
     group: object = None  # device-tensor collectives (NCCL on CUDA, gloo on CPU); None: the default group
     cpu_group: object = None  # host-tensor collectives (gloo); None: the default group
-    # NCCL only: the weight all-gathers of the overlapped path (dist_pipeline.py), issued by its packer thread
+    # NCCL only: the weight all-gathers of the overlapped path (transfer/sharded_cuda.py), issued by its packer thread
     weight_group: object = None
     overlap: bool = True  # on CUDA, the overlapped path; False: the synchronous one (this module)
     # Capability flags, found out on first use (see all_gather / reduce_scatter).

@@ -1,7 +1,7 @@
 """One training step: forward / head / block recompute / backward / optimizer, driven by the schedule.
 
 The math is the HF modules' (through templates); the order is schedule.py's; the bytes move through
-transfers.py. This file only walks the schedule and keeps the per-micro-batch tensors in between.
+transfer/. This file only walks the schedule and keeps the per-micro-batch tensors in between.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Engine:
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass
         # Op | None -> None: None when a step's ops begin, then each op once its host work is issued (a
-        # per-layer observer: bench_long's clock). Unset on the hot path: one attribute check per op.
+        # per-layer observer: the long-context bench's LayerClock). Unset on the hot path: one attribute check per op.
         self.on_op = None
         self.redirect = WeightRedirect(self.streamer.resident)
         self.streamer.on_bind = self.redirect.bind

@@ -15,7 +15,7 @@ Why the norm. HF's RMSNorm upcasts its bf16 input to fp32 and autograd keeps tha
 normalised bf16 tensor and the output: 8 bytes per element where 2 would do. `LeanRMSNorm` keeps the
 input and the fp32 1/rms per row (4 bytes per token) and redoes the elementwise math in backward.
 For 7B at 512K that is 18.8 GB less per layer graph (five checkpoints' worth). Optional: the plan in
-long_context.py says what it saves.
+plan/lean_terms.py says what it saves.
 
 Both install on a *template* (a meta-device HF decoder layer) by replacing one submodule's `forward`
 with a function that reads the weights from the module at call time. `torch.func.functional_call`

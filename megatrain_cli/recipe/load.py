@@ -37,7 +37,10 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     if tp is Any:
         return True, value
     if origin is Literal:
-        return value in typing.get_args(tp), value
+        choices = typing.get_args(tp)
+        if isinstance(value, bool) and ("off" if not value else "on") in choices:
+            return True, "off" if not value else "on"  # YAML 1.1 reads a bare off / on as a boolean
+        return value in choices, value
     if origin in (Union, types.UnionType):
         for arg in typing.get_args(tp):
             ok, v = _coerce(value, arg)

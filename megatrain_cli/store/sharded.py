@@ -21,7 +21,7 @@ m = v = 0 and the update is lr * 0 / (0 + eps) = 0.
 Shard sizes are rounded up to SHARD_ALIGN elements (each rank's piece of a gathered device buffer
 starts 256 B aligned for fp32, 128 B for bf16), except the embedding, whose shards are whole rows
 (a multiple of hidden_size): rank r owns rows [r * V/N, (r + 1) * V/N), which is what the
-distributed streamer's row gather and the sparse row gradients need (engine/distributed.py).
+distributed streamer's row gather and the sparse row gradients need (engine/transfer/sharded.py).
 
 `layouts` are the WHOLE tiles' layouts (the device assembles whole layers and binds their views);
 `tiles` are this rank's shards; `shards[name]` says which range. Reading whole tensors needs the

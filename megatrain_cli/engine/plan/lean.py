@@ -12,7 +12,7 @@ layer graph is ~13 checkpoints, so one layer per block is the least memory for a
 each layer's weights the same twice per step as any interval up to the 2 weight slots).
 
 The same plan is the memory-lean fallback of any step shape (`plan_memory_lean`: batch > 1, several
-micro-batches, short sequences) whose short-context plan (engine/plan.py) does not fit the device: the
+micro-batches, short sequences) whose short-context plan (memory.py) does not fit the device: the
 step's tokens (every micro-batch) set the checkpoints and a recorded layer's saved tensors, one
 micro-batch's tokens the head's logits chunk, an MLP tile, SDPA's backward and the forward's temporaries.
 """
@@ -159,7 +159,7 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
 def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **options) -> LongContextPlan:
     """plan_long_context, with lean_norms=None choosing: HF's RMSNorm when that plan fits, else the lean
     one when it fits (it offloads fewer checkpoints: less pinned host memory and PCIe), else the HF plan
-    (which does not fit; its notes give the lean figures). The engine's path for `bench_long_context`
+    (which does not fit; its notes give the lean figures). The engine's path for the long-context bench
     and for the trainer."""
     if lean_norms is not None:
         return plan_long_context(model, seq_len, lean_norms=lean_norms, **options)
