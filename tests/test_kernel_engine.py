@@ -1,7 +1,7 @@
 """The engine with kernels='triton' (issue #8) trains like kernels='torch': the kernels go into the layer
 templates (RMSNorm incl. Qwen3's q/k norms, SwiGLU, RoPE) and the head (fused linear + cross-entropy), a
 failing kernel falls back to its PyTorch reference with one warning, and they compose with the
-long-context pieces (tiled MLP, lean norms).
+long-context pieces (chunked MLP, lean norms).
 
 Run: python -m pytest -q tests/test_kernel_engine.py     (GPU extras: -m cuda)
 
@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from megatrain_cli import kernels
-from megatrain_cli.engine import kernel_patch, tiling
+from megatrain_cli.engine import kernel_patch, lean_layers
 from megatrain_cli.engine.plan.lean import GiB, plan_long_context
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
@@ -184,21 +184,21 @@ def test_failing_kernel_falls_back_once_and_trains_correctly(triton_path, monkey
 
 
 def test_kernels_compose_with_the_long_context_path(triton_path, monkeypatch):
-    """Tiled MLP + lean norms + kernels: the MLP stays tiled (no swiglu), the lean norms become the kernel's
+    """Chunked MLP + lean norms + kernels: the MLP stays chunked (no swiglu), the lean norms become the kernel's
     rms_norm, RoPE and the fused head run; same training as the plain torch engine."""
     config = tiny_config("Qwen3ForCausalLM", layers=1)
     ref_store, _, ref_results = train(config, "torch")
-    plan = plan_long_context(config, 12, batch=1, device_budget_bytes=GiB, mlp_tile_tokens=5, tile_mlp=True,
+    plan = plan_long_context(config, 12, batch=1, device_budget_bytes=GiB, mlp_chunk_tokens=5, chunk_mlp=True,
                              loss_chunk_tokens=5, offload=False, lean_norms=True)
-    tiled = []
-    plain_tiled_mlp = tiling.tiled_mlp
-    monkeypatch.setattr(tiling, "tiled_mlp", lambda *a, **k: tiled.append(1) or plain_tiled_mlp(*a, **k))
+    chunked = []
+    plain_chunked_mlp = lean_layers.chunked_mlp
+    monkeypatch.setattr(lean_layers, "chunked_mlp", lambda *a, **k: chunked.append(1) or plain_chunked_mlp(*a, **k))
     calls = count_triton_calls(monkeypatch)
     store, engine, results = train(config, "triton", long_context=plan)
     for template in engine.templates.all():
         assert kernel_patch.installed_kernels(template) == {"rms_norm": 4, "swiglu": 0, "rope": 1}
-        assert tiling.mlp_tile_tokens(template) == 5
-    assert tiled and "swiglu" not in calls and {"rms_norm", "rope", "fused_linear_cross_entropy"} <= set(calls)
+        assert lean_layers.mlp_chunk_tokens(template) == 5
+    assert chunked and "swiglu" not in calls and {"rms_norm", "rope", "fused_linear_cross_entropy"} <= set(calls)
     assert_same_training(store, results, ref_store, ref_results)
 
 
@@ -278,8 +278,8 @@ def test_install_kernels_where_they_apply():
     gelu = _template(hidden_act="gelu")  # not SiLU: the MLP keeps HF's activation
     assert kernel_patch.install_kernels(gelu, ["swiglu", "rms_norm"]) == {"rms_norm": 2, "swiglu": 0, "rope": 0}
 
-    tiled = tiling.tile_mlp(_template(), 4)  # long context: the tiled MLP wins
-    assert kernel_patch.install_kernels(tiled)["swiglu"] == 0 and tiling.mlp_tile_tokens(tiled) == 4
+    chunked = lean_layers.chunk_mlp(_template(), 4)  # long context: the chunked MLP wins
+    assert kernel_patch.install_kernels(chunked)["swiglu"] == 0 and lean_layers.mlp_chunk_tokens(chunked) == 4
 
     with pytest.raises(ValueError, match="unknown layer kernels"):
         kernel_patch.install_kernels(_template(), ["flash_attention"])
@@ -289,18 +289,18 @@ def test_lean_norm_stays_lean_where_the_kernel_does_not_run(monkeypatch):
     """slim_norms then install_kernels: the kernel's rms_norm when Triton runs; where it cannot (fallen
     back, or no Triton) the norm goes back to LeanRMSNorm, not HF's fp32-copy graph."""
     template = _template()
-    tiling.slim_norms(template)
+    lean_layers.slim_norms(template)
     kernel_patch.install_kernels(template, ["rms_norm"])
     norm = template.input_layernorm
     assert norm.megatrain_lean
     lean_calls = []
-    monkeypatch.setattr(tiling.LeanRMSNorm, "apply", lambda *a: lean_calls.append(1) or a[0])
+    monkeypatch.setattr(lean_layers.LeanRMSNorm, "apply", lambda *a: lean_calls.append(1) or a[0])
     monkeypatch.setattr(kernels, "_fallen_back", {"rms_norm": RuntimeError("earlier failure")})
     x = torch.randn(2, 3, 32)
     norm.weight = torch.nn.Parameter(torch.ones(32))  # a real weight in the meta template's slot
     assert norm(x) is x and lean_calls == [1]
     kernel_patch.uninstall_kernels(template)
-    assert getattr(norm.__dict__["forward"], "__func__", None) is tiling._lean_norm_forward
+    assert getattr(norm.__dict__["forward"], "__func__", None) is lean_layers._lean_norm_forward
 
 
 def test_rope_dispatcher_leaves_other_models_alone():

@@ -1,4 +1,4 @@
-"""The engine's long-context path (issue #9) on the CPU: with a LongContextPlan (tiled MLP, lean norms,
+"""The engine's long-context path (issue #9) on the CPU: with a LongContextPlan (chunked MLP, lean norms,
 checkpoints through the offloader, the plan's loss chunk) a step is the same arithmetic as without
 one; the bench's long-context path runs a step of the tiny preset and refuses a plan that does not fit.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_cli.engine import tiling
+from megatrain_cli.engine import lean_layers
 from megatrain_cli.engine.plan.lean import GiB, choose_plan, plan_long_context
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
@@ -34,8 +34,8 @@ def train(config, accum, **engine_kwargs):
 def forced_plan(config, accum, *, lean, offloaded, tile=5, chunk=7):
     """Small MLP tiles (32 tokens per micro-batch: 7 tiles, the last short), a loss chunk that does not
     divide the tokens, and `offloaded` checkpoints in host memory, whatever the budget would choose."""
-    plan = plan_long_context(config, SEQ, batch=BATCH * accum, device_budget_bytes=GiB, mlp_tile_tokens=tile,
-                             tile_mlp=True, loss_chunk_tokens=chunk, offload=False, lean_norms=lean)
+    plan = plan_long_context(config, SEQ, batch=BATCH * accum, device_budget_bytes=GiB, mlp_chunk_tokens=tile,
+                             chunk_mlp=True, loss_chunk_tokens=chunk, offload=False, lean_norms=lean)
     plan.offloaded_checkpoints = offloaded
     return plan
 
@@ -49,15 +49,15 @@ def test_long_context_engine_trains_like_the_plain_one(monkeypatch, arch, tied, 
     config = tiny_config(arch, tied=tied, layers=3)
     ref_store, _, ref_results = train(config, accum, loss_chunk_tokens=7, keep_blocks=keep)
 
-    tiled_calls = []
-    plain_tiled_mlp = tiling.tiled_mlp
-    monkeypatch.setattr(tiling, "tiled_mlp", lambda *a, **k: tiled_calls.append(1) or plain_tiled_mlp(*a, **k))
+    chunked_calls = []
+    plain_chunked_mlp = lean_layers.chunked_mlp
+    monkeypatch.setattr(lean_layers, "chunked_mlp", lambda *a, **k: chunked_calls.append(1) or plain_chunked_mlp(*a, **k))
     plan = forced_plan(config, accum, lean=lean, offloaded=offloaded)
     store, engine, results = train(config, accum, loss_chunk_tokens=4096, keep_blocks=keep, long_context=plan)
 
     # The plan's pieces are what ran.
-    assert engine.chunk == 7 and all(tiling.mlp_tile_tokens(t) == 5 for t in engine.templates.all())
-    assert tiled_calls  # forward (no grad) and recompute of every layer went through the tiled MLP
+    assert engine.chunk == 7 and all(lean_layers.mlp_chunk_tokens(t) == 5 for t in engine.templates.all())
+    assert chunked_calls  # forward (no grad) and recompute of every layer went through the chunked MLP
     norms_slim = ["forward" in m.__dict__ for t in engine.templates.all() for m in t.modules()
                   if type(m).__name__.endswith("RMSNorm")]
     assert norms_slim and all(x == lean for x in norms_slim)
@@ -87,7 +87,7 @@ def test_long_context_plan_must_match_the_engines_interval():
 
 
 def test_choose_plan_takes_lean_norms_only_when_hf_does_not_fit():
-    from tests.test_tiling import qwen25_7b
+    from tests.test_lean_layers import qwen25_7b
 
     config, budget = qwen25_7b(), int(139.8 * GiB)
     assert not choose_plan(config, 256 * 1024, device_budget_bytes=budget).lean_norms  # fits as it is
@@ -111,8 +111,8 @@ def long_recipe(*overrides: str, seq: int = 256):
 
 
 def plan_defaults(monkeypatch, **defaults):
-    """The long-context planner's own knobs (not recipe keys: MLP tile size, forced tiling or offload), set
-    for this test so the tiny model's 256 tokens exercise the tiled MLP and the offloader."""
+    """The long-context planner's own knobs (not recipe keys: MLP chunk size, forced chunking or offload), set
+    for this test so the tiny model's 256 tokens exercise the chunked MLP and the offloader."""
     from megatrain_cli.engine.plan import lean
 
     for key, value in defaults.items():
@@ -131,7 +131,7 @@ def test_bench_long_context_runs_a_step_of_tiny_on_cpu(monkeypatch):
     from megatrain_cli.bench.settings import BenchRun
     from tests.test_bench import plain_engine_losses
 
-    plan_defaults(monkeypatch, mlp_tile_tokens=64, tile_mlp=True, offload=True)
+    plan_defaults(monkeypatch, mlp_chunk_tokens=64, chunk_mlp=True, offload=True)
     lines = []
     res = run_bench(long_recipe(), BenchRun(steps=2, warmup=1), log=lines.append)
     assert res.model == "tiny" and res.extrapolated == {}
@@ -164,16 +164,16 @@ def test_bench_long_context_layers_extrapolates_to_the_whole_model(monkeypatch):
     from tests.test_bench import plain_engine_losses
 
     # Headroom 0.2 stands in for the 1 GiB a CUDA device keeps back: at tiny's size on the CPU, a budget small
-    # enough to make the whole model offload would otherwise tile both models by the 10%-of-budget rule.
-    plan_defaults(monkeypatch, mlp_tile_tokens=64, headroom=0.2)
+    # enough to make the whole model offload would otherwise chunk both models by the 10%-of-budget rule.
+    plan_defaults(monkeypatch, mlp_chunk_tokens=64, headroom=0.2)
     store = build_store(bench_model_config(long_recipe(), 2), torch.float32, seed=0)
     whole = ModelAdapter(bench_model_config(long_recipe()))
     # A device budget at which the whole model's plan tiles the MLP and a 2-layer model's own plan would not:
     # the run must take the whole model's choice, so its layers run what they would in the whole model.
     options = dict(batch=1, host_budget_bytes=GiB, dtype=torch.float32, device_type="cpu")
     budget = next(b for b in range(2**25, 2**27, 2**12)
-                  if choose_plan(whole, 256, device_budget_bytes=b, **options).mlp_tile_tokens
-                  and not choose_plan(store.adapter, 256, device_budget_bytes=b, **options).mlp_tile_tokens)
+                  if choose_plan(whole, 256, device_budget_bytes=b, **options).mlp_chunk_tokens
+                  and not choose_plan(store.adapter, 256, device_budget_bytes=b, **options).mlp_chunk_tokens)
     lines = []
     r = long_recipe(f"engine.max_gpu_mem={budget}B")
     res = run_bench(r, BenchRun(steps=1, layers=2), store=store, log=lines.append)
@@ -194,7 +194,7 @@ def test_bench_long_context_layers_extrapolates_to_the_whole_model(monkeypatch):
     assert x["planned_host_pinned_bytes"] == full.host_pinned_bytes and x["plan_fits"]
     assert x["measured_layers_planned_peak_device_bytes"] < full.predicted_peak
     assert x["measured_peak_device_bytes"] is None  # CPU
-    assert full.mlp_tile_tokens == 64 and "MLP tile 64," in res.notes
+    assert full.mlp_chunk_tokens == 64 and "MLP chunk 64," in res.notes
     text = format_extrapolation(x)
     assert text.startswith("extrapolated to 4 layers (NOT measured: 2 of 4 layers ran)")
     assert "step(L) = step(N) + (L - N) x (forward + recompute/backward per layer)" in text
@@ -227,7 +227,7 @@ def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):
 
     monkeypatch.setattr(Engine, "_backward_layer", backward_until_layer_1)
     lines = []
-    plan_defaults(monkeypatch, mlp_tile_tokens=64)
+    plan_defaults(monkeypatch, mlp_chunk_tokens=64)
     res = run_bench(long_recipe(), BenchRun(steps=1), log=lines.append)
     assert res.steps == 0 and res.notes.startswith("out of memory: CUDA out of memory") and res.extrapolated == {}
     assert layer_lines(lines) == [f"step 0 layer {i} forward" for i in range(4)] + [
@@ -299,7 +299,7 @@ def test_plan_for_training():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_long_context_on_cuda_trains_like_the_plain_cuda_engine():
     """fp32 on the GPU: checkpoints through pinned buffers on the offloader's side streams, brought back
-    one block ahead; tiled MLP, lean norms. MATH attention on both sides so only the path differs."""
+    one block ahead; chunked MLP, lean norms. MATH attention on both sides so only the path differs."""
     config = tiny_config("Qwen2ForCausalLM", layers=4, hidden=64, inter=192)
     accum, dev = 2, torch.device("cuda")
 

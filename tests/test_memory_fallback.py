@@ -1,6 +1,6 @@
 """The memory-lean fallback: a step whose short-context plan (engine/plan.make_plan) does not fit the
 device budget takes the long-context machinery at any shape (batch > 1, several micro-batches, short
-sequences) instead of being refused: checkpoint interval 1, a smaller loss chunk, the MLP tiled only where
+sequences) instead of being refused: checkpoint interval 1, a smaller loss chunk, the MLP chunked only where
 that helps, checkpoints in pinned host memory as needed (long_context.plan_memory_lean).
 
 The 14B figures are arithmetic over the preset's shape (nothing allocated); the runs are the tiny preset
@@ -82,20 +82,20 @@ def test_lean_plan_terms_agree_with_the_short_plan(qwen14b):
         short = make_plan(adapter, torch.bfloat16, micro_batch_size=mbs, seq_len=4096, grad_accum=accum,
                           checkpoint_interval=1, grad_slabs=12, loss_chunk_tokens=4096)
         lean = plan_long_context(adapter, 4096, batch=mbs, grad_accum=accum, device_budget_bytes=200 * GiB,
-                                 tile_mlp=False, offload=False, loss_chunk_tokens=4096)
+                                 chunk_mlp=False, offload=False, loss_chunk_tokens=4096)
         assert lean.num_checkpoints * lean.checkpoint_bytes == short.device["activation checkpoints (estimate)"]
-        saved = sum(layer_saved_bytes(ModelShape.of(adapter), lean.tokens, 2, mlp_tiled=False,
+        saved = sum(layer_saved_bytes(ModelShape.of(adapter), lean.tokens, 2, mlp_chunked=False,
                                       lean_norms=False).values())
         per_layer_short = accum * activation_bytes_per_layer(adapter, mbs * 4096, 2)  # make_plan's recompute term
         assert saved == pytest.approx(per_layer_short, rel=0.05)
         assert sum(v for k, v in lean.phases["layer backward, MLP half"].items() if k in
-                   layer_saved_bytes(ModelShape.of(adapter), 1, 2, mlp_tiled=False, lean_norms=False)) == saved
+                   layer_saved_bytes(ModelShape.of(adapter), 1, 2, mlp_chunked=False, lean_norms=False)) == saved
 
     # Micro-batches are the engine's inner loop: the step's tokens set the checkpoints and the recorded layer,
     # one micro-batch's tokens the head's chunk, SDPA's backward and the forward's temporaries.
     def plan(mbs, accum):
         return plan_long_context(adapter, 4096, batch=mbs, grad_accum=accum, device_budget_bytes=200 * GiB,
-                                 tile_mlp=False, offload=False, loss_chunk_tokens=32768)
+                                 chunk_mlp=False, offload=False, loss_chunk_tokens=32768)
 
     one, two = plan(8, 1), plan(4, 2)
     assert one.checkpoint_bytes == two.checkpoint_bytes and one.tokens == two.tokens == 2 * two.micro_tokens

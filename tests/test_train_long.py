@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "recipes" / "tiny.yaml"
 SEQ = 4096  # the training tests' seq_len, and their long-context threshold
 # One document per row (packed rows need a [T, T] mask); 3 micro-batches of one row: 12288 tokens of
-# checkpoints and layer graphs in the plan; each micro-batch (4096 tokens) is below one 8192-token MLP tile,
-# so the MLP runs untiled, and the plan says so.
+# checkpoints and layer graphs in the plan; each micro-batch (4096 tokens) is below one 8192-token MLP chunk,
+# so the MLP runs unchunked, and the plan says so.
 LONG = ["train.steps=1", f"train.seq_len={SEQ}", "train.micro_batch_size=1", "train.grad_accum=3",
         "data.packing=false", "logging.dashboard=plain", "logging.every_n_steps=1", "train.warmup_steps=0",
         "eval.enabled=false", "checkpoint.every_n_steps=1", "checkpoint.export_final=true"]
@@ -154,7 +154,7 @@ def long_run(tmp_path_factory):
 
 def test_long_context_step_offloads_and_writes_checkpoint_and_final(long_run):
     out, plan, engine, log = long_run
-    assert plan.mlp_tile_tokens is None and plan.checkpoint_interval == 1 and plan.offloaded_checkpoints >= 1
+    assert plan.mlp_chunk_tokens is None and plan.checkpoint_interval == 1 and plan.offloaded_checkpoints >= 1
     assert f"long-context path: {plan.offloaded_checkpoints} of 4 checkpoints in host memory" in log
     assert engine.long_context.offloaded_checkpoints == plan.offloaded_checkpoints
     assert engine.interval == 1 and engine.keep_blocks == frozenset()  # the recipe's interval is 2

@@ -1,21 +1,21 @@
 """`megatrain bench` on the long-context path: sequences of train.seq_len >= engine.long_context_min_seq
 (the planner's rule, as in `train`), typically one sequence of 32K-512K tokens per step.
 
-The engine runs the planner's LongContextPlan: checkpoint interval 1, the MLP tiled over the sequence
+The engine runs the planner's LongContextPlan: checkpoint interval 1, the MLP chunked over the sequence
 where that helps, the loss in chunks, as many layer checkpoints in pinned host memory as the device
 budget needs, SDPA restricted to cuDNN / flash / memory-efficient. A plan that does not fit is answered
 with a row whose notes start 'does not fit:' and whose tokens_per_s is 0; nothing is allocated.
 
 Reported: step time (wall, from the first timed step to the last step's optimizer updates landed),
 model TFLOPS (result.py's formula, recompute not counted), executed TFLOPS (adds every layer's
-recomputed forward and the tiled MLP's recomputed gate/up projections), the measured device peak
+recomputed forward and the chunked MLP's recomputed gate/up projections), the measured device peak
 against the plan's prediction, the phase times of StepResult.times and the per-layer figures in `notes`.
 
 Every layer's forward and recompute + backward wall time is logged as it completes (LayerClock), so a
 run killed by a time limit still leaves per-layer figures. With --layers below the model's (a whole
 model's step at 512K takes minutes), the result also carries the whole model's step, extrapolated from
 those per-layer figures (`extrapolate`), and the whole model's memory plan. The layers that run take the
-whole model's plan choices (RMSNorm, MLP tiling, loss chunk), so each runs what it would in the whole model.
+whole model's plan choices (RMSNorm, MLP chunking, loss chunk), so each runs what it would in the whole model.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def format_extrapolation(x: dict) -> str:
 
 def take_whole_models_plan(planned, whole_adapter, *, log=print) -> None:
     """--layers on the long-context path: plan the whole model too (computed, not run) and make the run's
-    plan take its choices (RMSNorm, MLP tiling, loss chunk), re-deciding only the offload for the layers
+    plan take its choices (RMSNorm, MLP chunking, loss chunk), re-deciding only the offload for the layers
     that run. Sets planned.full / full_store; replaces planned.plan's lean plan where the choices differ."""
     r, dev = planned.r, planned.device
     full = plan_step(r, whole_adapter, dev).lean
@@ -154,13 +154,13 @@ def take_whole_models_plan(planned, whole_adapter, *, log=print) -> None:
     log(f"[bench-long] the whole {full.num_checkpoints}-layer model's plan (computed, not run): {full.summary()}; "
         f"{'fits' if full.fits else 'DOES NOT FIT: ' + refusal(full)}")
     own = planned.plan.lean
-    if (own.lean_norms, own.mlp_tile_tokens, own.loss_chunk_tokens) == \
-            (full.lean_norms, full.mlp_tile_tokens, full.loss_chunk_tokens):
+    if (own.lean_norms, own.mlp_chunk_tokens, own.loss_chunk_tokens) == \
+            (full.lean_norms, full.mlp_chunk_tokens, full.loss_chunk_tokens):
         return
     lean = choose_plan(ModelAdapter(planned.config), own.seq_len, batch=own.batch, grad_accum=own.grad_accum,
                        device_budget_bytes=own.budget, host_budget_bytes=own.host_budget, dtype=DTYPES[r.model.dtype],
                        layer_slots=r.engine.layer_slots, loss_chunk_tokens=full.loss_chunk_tokens,
-                       tile_mlp=full.mlp_tile_tokens is not None, lean_norms=full.lean_norms, device_type=dev.type)
+                       chunk_mlp=full.mlp_chunk_tokens is not None, lean_norms=full.lean_norms, device_type=dev.type)
     problems = [p for p in planned.problems if own.fits or refusal(own) not in p]  # all but the run's own refusal
     if not lean.fits:
         problems.append(f"long context: {refusal(lean)}")
@@ -230,7 +230,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
     reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else 0
 
     base = dict(name=NAME, model=planned.label, batch=batch * accum, seq=seq, host_rss_bytes=host_rss_bytes())
-    plan_line = (f"interval {plan.checkpoint_interval}, MLP tile {plan.mlp_tile_tokens or 'none'}, loss chunk "
+    plan_line = (f"interval {plan.checkpoint_interval}, MLP chunk {plan.mlp_chunk_tokens or 'none'}, loss chunk "
                  f"{plan.loss_chunk_tokens}, RMSNorm {'lean' if plan.lean_norms else 'HF'}, offloaded "
                  f"{plan.offloaded_checkpoints}/{plan.num_checkpoints} checkpoints "
                  f"({plan.host_pinned_bytes / GiB:.1f} GiB pinned, reserved in {t_pin:.1f} s), sdpa {r.engine.sdpa}, "
@@ -248,7 +248,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
     layers_run = planned.config.num_hidden_layers
     # Interval 1: every layer is recomputed once.
     flops, executed = streamed_step_flops(store, rows=batch * accum, seq=seq, recomputed_layers=layers_run,
-                                          mlp_tile_tokens=plan.mlp_tile_tokens)
+                                          mlp_chunk_tokens=plan.mlp_chunk_tokens)
     phases = {k: sum(x.times.get(k, 0.0) for x in results) / n for k in ("forward", "head", "backward", "optimizer")}
     split = {k: round(v, 3) for k, v in phases.items()}
     split["gpu_stall_on_weights"] = round(stall / n, 3)
@@ -269,7 +269,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
     if full is not None and not failure:
         full_flops, full_executed = streamed_step_flops(planned.full_store, rows=batch * accum, seq=seq,
                                                         recomputed_layers=full.num_checkpoints,
-                                                        mlp_tile_tokens=plan.mlp_tile_tokens)
+                                                        mlp_chunk_tokens=plan.mlp_chunk_tokens)
         extrapolated = extrapolate(step_time=step_time, measured_layers=layers_run, full_layers=full.num_checkpoints,
                                    forward_per_layer=fwd_layer, backward_per_layer=bwd_layer, samples=samples,
                                    tokens=tokens, full_flops=full_flops, full_executed_flops=full_executed)

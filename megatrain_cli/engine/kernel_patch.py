@@ -1,6 +1,6 @@
 """Put the Triton kernels (megatrain_cli.kernels) into the engine's HF layer templates (issue #8).
 
-Same pattern as tiling.py: a template is a meta-device HF module, and a kernel goes in by replacing one
+Same pattern as lean_layers.py: a template is a meta-device HF module, and a kernel goes in by replacing one
 submodule's `forward` (an instance attribute, so only that template changes) with a function that reads
 the weights from the module *at call time*: `functional_call` has bound the streamed device views into
 those attributes by then, so the bound views reach the kernels' autograd Functions, and their
@@ -23,10 +23,10 @@ What is swapped (`install_kernels(template, kinds)`):
 
 The fused LM head + cross-entropy is not a module swap: Engine._head calls it (step.py).
 
-Precedence with the long-context pieces of tiling.py (the engine installs those first, then these):
-  - tile_mlp wins over swiglu: a tiled MLP (long context) is left alone, its per-tile activation stays
-    eager. The tiled MLP's saving is memory ([T, intermediate] never exists), which matters more there
-    than the elementwise time; putting swiglu inside TiledMLP's tiles would need a change to tiling.py.
+Precedence with the long-context pieces of lean_layers.py (the engine installs those first, then these):
+  - chunk_mlp wins over swiglu: a chunked MLP (long context) is left alone, its per-tile activation stays
+    eager. The chunked MLP's saving is memory ([T, intermediate] never exists), which matters more there
+    than the elementwise time; putting swiglu inside ChunkedMLP's tiles would need a change to lean_layers.py.
   - rms_norm replaces slim_norms' LeanRMSNorm: the kernel's autograd Function saves exactly what the lean
     norm saves (x, the weight by reference, one fp32 1/rms per row), with no fp32 temporaries at all in
     forward (the lean norm's are one 16K-row chunk) and one [programs, H] fp32 partial in backward. Where
@@ -47,7 +47,7 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from megatrain_cli.engine import tiling
+from megatrain_cli.engine import lean_layers
 
 LAYER_KINDS = ("rms_norm", "swiglu", "rope")  # what install_kernels can put into a template
 KERNEL_CHOICES = ("auto", "torch", "triton")  # Engine(kernels=...), the recipe's engine.kernels
@@ -91,12 +91,12 @@ def fused_cross_entropy() -> Callable:
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
 def _is_plain_rmsnorm(module: nn.Module) -> bool:
-    return type(module).__name__ in tiling._PLAIN_RMSNORMS and hasattr(module, "variance_epsilon")
+    return type(module).__name__ in lean_layers._PLAIN_RMSNORMS and hasattr(module, "variance_epsilon")
 
 
 def _is_lean(module: nn.Module) -> bool:
     forward = module.__dict__.get("forward")
-    return getattr(forward, "__func__", None) is tiling._lean_norm_forward
+    return getattr(forward, "__func__", None) is lean_layers._lean_norm_forward
 
 
 def _kernel_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,7 @@ def _kernel_norm_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         from megatrain_cli import kernels
 
         if not kernels.wants_triton("rms_norm", x, self.weight):  # the kernel's public function would run
-            return tiling.LeanRMSNorm.apply(x, self.weight, self.variance_epsilon)  # HF's graph: stay lean
+            return lean_layers.LeanRMSNorm.apply(x, self.weight, self.variance_epsilon)  # HF's graph: stay lean
     return self.megatrain_rms_norm(x, self.weight, self.variance_epsilon)
 
 
@@ -177,7 +177,7 @@ def _replace_forward(module: nn.Module, forward: Callable) -> None:
 def install_kernels(template: nn.Module, kinds: Iterable[str] = LAYER_KINDS) -> dict[str, int]:
     """Route `template`'s (a decoder layer's, or the final-norm template's) RMSNorms, SwiGLU and RoPE
     through the kernels named in `kinds`; returns how many modules each kind went into (0 where it does
-    not apply: no MLP in a norm template, a non-SiLU activation, a tiled MLP, a forward without RoPE).
+    not apply: no MLP in a norm template, a non-SiLU activation, a chunked MLP, a forward without RoPE).
     Idempotent. Nothing is allocated: the templates are on the meta device and the weights read at call time.
     """
     kinds = set(kinds)
@@ -198,7 +198,7 @@ def install_kernels(template: nn.Module, kinds: Iterable[str] = LAYER_KINDS) -> 
                 _replace_forward(module, _kernel_norm_forward)
                 counts["rms_norm"] += 1
     mlp = getattr(template, "mlp", None)
-    if "swiglu" in kinds and mlp is not None and _is_silu_mlp(mlp) and tiling.mlp_tile_tokens(template) is None:
+    if "swiglu" in kinds and mlp is not None and _is_silu_mlp(mlp) and lean_layers.mlp_chunk_tokens(template) is None:
         mlp.megatrain_swiglu = _kernel("swiglu")
         _replace_forward(mlp, _swiglu_mlp_forward)
         counts["swiglu"] += 1

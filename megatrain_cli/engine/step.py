@@ -20,7 +20,7 @@ from megatrain_cli.engine.head import run_head
 from megatrain_cli.engine.plan.lean import LongContextPlan
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
-from megatrain_cli.engine.tiling import SDPA_BACKENDS, sdpa_backend_context, slim_norms, tile_mlp
+from megatrain_cli.engine.lean_layers import SDPA_BACKENDS, sdpa_backend_context, slim_norms, chunk_mlp
 from megatrain_cli.engine.transfer import make_transfers
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient
@@ -122,9 +122,9 @@ class Engine:
             self._fused_ce = kernel_patch.fused_cross_entropy()
 
     def _install_long_context(self, plan: LongContextPlan) -> None:
-        if plan.mlp_tile_tokens:
+        if plan.mlp_chunk_tokens:
             for template in self.templates.all():
-                tile_mlp(template, plan.mlp_tile_tokens)
+                chunk_mlp(template, plan.mlp_chunk_tokens)
         if plan.lean_norms:
             for template in self.templates.all():
                 slim_norms(template)
@@ -199,9 +199,9 @@ class Engine:
         return sum(len(b) for i, b in enumerate(blocks(self.adapter.num_layers, self.interval))
                    if i not in self.keep_blocks)
 
-    def mlp_tile_tokens(self) -> int | None:
-        """Tokens per MLP tile when the long-context plan tiles the MLP (its backward redoes gate / up)."""
-        return self.long_context.mlp_tile_tokens if self.long_context is not None else None
+    def mlp_chunk_tokens(self) -> int | None:
+        """Tokens per MLP chunk when the long-context plan tiles the MLP (its backward redoes gate / up)."""
+        return self.long_context.mlp_chunk_tokens if self.long_context is not None else None
 
     def update_order(self) -> list[str]:
         """The order the next forward reads tiles: embedding rows, layers, head."""

@@ -43,7 +43,7 @@ class TemplatePool:
         return sum(len(p) for p in self._pools.values())
 
     def all(self) -> Iterator[nn.Module]:
-        """Every template of the pool (to install a change on all of them, e.g. tiling.tile_mlp)."""
+        """Every template of the pool (to install a change on all of them, e.g. lean_layers.chunk_mlp)."""
         for pool in self._pools.values():
             yield from pool
 

@@ -51,10 +51,10 @@ def matmul_params(store) -> int:
 
 
 def streamed_step_flops(store, *, rows: int, seq: int, recomputed_layers: int,
-                        mlp_tile_tokens: int | None = None) -> tuple[float, float]:
+                        mlp_chunk_tokens: int | None = None) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) of one step over `rows` sequences of `seq` tokens. Model FLOPs: 6 x
     matmul params x tokens + causal attention (metrics.model_flops). Executed adds the forward of every
-    recomputed layer (2 x its params x tokens + its attention) and, with a tiled MLP, the gate and up
+    recomputed layer (2 x its params x tokens + its attention) and, with a chunked MLP, the gate and up
     projections its backward runs again."""
     a = store.adapter
     cfg = a.config
@@ -62,6 +62,6 @@ def streamed_step_flops(store, *, rows: int, seq: int, recomputed_layers: int,
     flops = model_flops(matmul_params(store), tokens, rows, seq, a.hidden_size, a.num_layers)
     layer_params = sum(store.layouts[n].numel for n in store.layer_names) / a.num_layers
     extra = (2.0 * layer_params * tokens + 2.0 * rows * seq * seq * a.hidden_size) * recomputed_layers
-    if mlp_tile_tokens and tokens > mlp_tile_tokens:
+    if mlp_chunk_tokens and tokens > mlp_chunk_tokens:
         extra += 4.0 * a.hidden_size * int(cfg.intermediate_size) * tokens * a.num_layers
     return flops, flops + extra

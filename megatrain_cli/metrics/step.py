@@ -20,7 +20,7 @@ def step_metrics(res, *, engine, step: int, total: int, lr: float, skipped: int,
     store, device = engine.store, engine.device
     flops, executed = streamed_step_flops(store, rows=res.tokens // seq_len, seq=seq_len,
                                           recomputed_layers=engine.recomputed_layers(),
-                                          mlp_tile_tokens=engine.mlp_tile_tokens())
+                                          mlp_chunk_tokens=engine.mlp_chunk_tokens())
     tflops = flops / step_time / 1e12
     cuda = device.type == "cuda"
     peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None

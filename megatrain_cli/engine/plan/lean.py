@@ -4,7 +4,7 @@ Used for long sequences (the long-context path) and, as `plan_memory_lean`, for 
 not fit (the memory-lean path). The offloader it drives is engine/transfer/offload.py.
 
 `plan_long_context` is pure arithmetic over the model shape: it picks the checkpoint interval, the
-MLP tile, the loss chunk and how many layer checkpoints go to pinned host memory, and predicts the
+MLP chunk, the loss chunk and how many layer checkpoints go to pinned host memory, and predicts the
 device peak term by term for each phase of the step. Nothing is allocated; it runs on the CPU.
 
 Checkpoint interval is always 1: a block of k layers costs L/k checkpoints plus k layer graphs, and a
@@ -14,7 +14,7 @@ each layer's weights the same twice per step as any interval up to the 2 weight 
 The same plan is the memory-lean fallback of any step shape (`plan_memory_lean`: batch > 1, several
 micro-batches, short sequences) whose short-context plan (memory.py) does not fit the device: the
 step's tokens (every micro-batch) set the checkpoints and a recorded layer's saved tensors, one
-micro-batch's tokens the head's logits chunk, an MLP tile, SDPA's backward and the forward's temporaries.
+micro-batch's tokens the head's logits chunk, an MLP chunk, SDPA's backward and the forward's temporaries.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class LongContextPlan:
     budget: int  # device bytes
     usable: int  # budget x headroom: what the predicted peak must stay under
     checkpoint_interval: int
-    mlp_tile_tokens: int | None  # None: the MLP runs untiled
+    mlp_chunk_tokens: int | None  # None: the MLP runs unchunked
     loss_chunk_tokens: int
     lean_norms: bool
     num_checkpoints: int
@@ -61,7 +61,7 @@ class LongContextPlan:
 
     @property
     def micro_tokens(self) -> int:
-        """One micro-batch's tokens: what the head's chunk loop, SDPA's backward and an MLP tile work on."""
+        """One micro-batch's tokens: what the head's chunk loop, SDPA's backward and an MLP chunk work on."""
         return self.batch * self.seq_len
 
     def phase_total(self, phase: str) -> int:
@@ -91,7 +91,7 @@ class LongContextPlan:
 
     def render(self) -> str:
         gib = lambda b: f"{b / GiB:7.2f} GiB"  # noqa: E731
-        mlp = f"tiled by {self.mlp_tile_tokens} tokens" if self.mlp_tile_tokens else "untiled"
+        mlp = f"chunked by {self.mlp_chunk_tokens} tokens" if self.mlp_chunk_tokens else "unchunked"
         accum = f" x {self.grad_accum} micro-batches" if self.grad_accum > 1 else ""
         lines = [f"{self.label} plan: {self.batch} x {self.seq_len} tokens{accum}; device budget {gib(self.budget)}, "
                  f"planned to {gib(self.usable)}",
@@ -113,7 +113,7 @@ class LongContextPlan:
 
     def summary(self) -> str:
         """The plan in one line (the trainer's path line, the bench's notes)."""
-        mlp = f"MLP tiled by {self.mlp_tile_tokens}" if self.mlp_tile_tokens else "MLP untiled"
+        mlp = f"MLP chunked by {self.mlp_chunk_tokens}" if self.mlp_chunk_tokens else "MLP unchunked"
         return (f"checkpoint interval {self.checkpoint_interval}, {mlp}, loss chunk {self.loss_chunk_tokens}, RMSNorm "
                 f"{'lean' if self.lean_norms else 'HF'}, {self.offloaded_checkpoints} of {self.num_checkpoints} "
                 f"checkpoints offloaded to pinned host memory ({fmt_bytes(self.host_pinned_bytes)}), predicted "
@@ -122,7 +122,7 @@ class LongContextPlan:
 
 def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: int = 1, device_budget_bytes: int,
                       host_budget_bytes: int | None = None, dtype: torch.dtype = torch.bfloat16,
-                      layer_slots: int = 2, mlp_tile_tokens: int = 8192, tile_mlp: bool | None = None,
+                      layer_slots: int = 2, mlp_chunk_tokens: int = 8192, chunk_mlp: bool | None = None,
                       loss_chunk_tokens: int = 4096, offload: bool | None = None, lean_norms: bool = False,
                       headroom: float = 0.95, device_type: str = "cuda", fallback: bool = False) -> LongContextPlan:
     """The activation plan for one step of `grad_accum` micro-batches of `batch` x `seq_len` tokens.
@@ -130,20 +130,20 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
     The engine runs the micro-batches as the inner loop: every micro-batch's checkpoints are kept per
     block and one layer's recompute records the graphs of all of them before its backward, so the
     checkpoints and a layer's saved tensors scale with the step's tokens; the head's logits chunk, an MLP
-    tile, SDPA's backward and the forward's temporaries work on one micro-batch at a time.
+    chunk, SDPA's backward and the forward's temporaries work on one micro-batch at a time.
 
-    tile_mlp: None tiles when the untiled MLP's activations would take over 10% of the budget, or when
-    tiling avoids offloading. offload: None offloads as few checkpoints as keep the peak under
+    chunk_mlp: None chunks it when the unchunked MLP's activations would take over 10% of the budget, or when
+    chunking avoids offloading. offload: None offloads as few checkpoints as keep the peak under
     `headroom` x the budget; True offloads all, False none. `host_budget_bytes`, when given, is the
     pinned host memory the offloaded checkpoints may take (what the host store leaves free).
     `device_type` 'cuda' reserves 1 GiB for the CUDA context and library workspaces (nothing on CPU).
     `fallback`: the memory-lean plan of a step the short-context plan does not fit (plan_memory_lean):
     the loss chunk is halved (down to LEAN_MIN_LOSS_CHUNK) before checkpoints are offloaded, and the MLP
-    is tiled only when that offloads fewer checkpoints or is needed to fit.
+    is chunked only when that offloads fewer checkpoints or is needed to fit.
     """
     options = dict(batch=batch, grad_accum=grad_accum, device_budget_bytes=device_budget_bytes,
                    host_budget_bytes=host_budget_bytes, dtype=dtype, layer_slots=layer_slots,
-                   mlp_tile_tokens=mlp_tile_tokens, tile_mlp=tile_mlp, loss_chunk_tokens=loss_chunk_tokens,
+                   mlp_chunk_tokens=mlp_chunk_tokens, chunk_mlp=chunk_mlp, loss_chunk_tokens=loss_chunk_tokens,
                    offload=offload, headroom=headroom, reserve_bytes=GiB if device_type == "cuda" else 0,
                    fallback=fallback)
     shape = ModelShape.of(model)
@@ -151,7 +151,7 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
     _add_notes(plan)
     if not lean_norms:
         lean = _choose(shape, seq_len, lean_norms=True, **options)
-        plan.notes.append(f"lean RMSNorm (tiling.slim_norms): peak {lean.predicted_peak / GiB:.1f} GiB with "
+        plan.notes.append(f"lean RMSNorm (lean_layers.slim_norms): peak {lean.predicted_peak / GiB:.1f} GiB with "
                           f"{lean.offloaded_checkpoints} checkpoints offloaded")
     return plan
 
@@ -223,7 +223,7 @@ def plan_memory_lean(adapter: Any, **training) -> LongContextPlan:
     """The memory-lean plan for any step shape (batch > 1, several micro-batches, short sequences): the
     fallback when the short-context plan (engine/plan.make_plan) does not fit the device budget. The
     long-context machinery at any length: checkpoint interval 1, a loss chunk halved until the head is
-    no longer what offloads checkpoints, the MLP tiled only where that helps, and as few checkpoints as
+    no longer what offloads checkpoints, the MLP chunked only where that helps, and as few checkpoints as
     needed in pinned host memory (the host budget checked). Arguments: plan_for_training's, except
     min_seq_len and fallback. The plan's label is 'memory-lean'; check plan.fits."""
     plan = plan_for_training(adapter, **training, min_seq_len=0, fallback=True)
@@ -245,54 +245,54 @@ def refusal(plan: LongContextPlan) -> str:
 
 
 def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget_bytes, host_budget_bytes, dtype,
-            layer_slots, mlp_tile_tokens, tile_mlp, loss_chunk_tokens, offload, headroom, lean_norms, reserve_bytes,
+            layer_slots, mlp_chunk_tokens, chunk_mlp, loss_chunk_tokens, offload, headroom, lean_norms, reserve_bytes,
             fallback) -> LongContextPlan:
     w = torch.finfo(dtype).bits // 8
-    micro = batch * seq_len  # one micro-batch: the head's chunks, an MLP tile and SDPA's backward work on it
+    micro = batch * seq_len  # one micro-batch: the head's chunks, an MLP chunk and SDPA's backward work on it
     tokens = micro * grad_accum  # the step: each checkpoint holds every micro-batch's hidden states
     usable = int(device_budget_bytes * headroom)
 
-    def build(tiled: bool, chunk: int, offloaded: int) -> LongContextPlan:
-        plan = LongContextPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_tile_tokens if tiled else None,
+    def build(chunked: bool, chunk: int, offloaded: int) -> LongContextPlan:
+        plan = LongContextPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_chunk_tokens if chunked else None,
                                chunk, lean_norms, shape.layers, offloaded, tokens * shape.hidden * w,
                                host_budget=host_budget_bytes, grad_accum=grad_accum)
         plan.fixed, plan.phases = device_terms(shape, plan, w, layer_slots, reserve_bytes)
         return plan
 
-    def with_offload(tiled: bool, chunk: int) -> LongContextPlan:
+    def with_offload(chunked: bool, chunk: int) -> LongContextPlan:
         if offload is not None:
-            return build(tiled, chunk, shape.layers if offload else 0)
+            return build(chunked, chunk, shape.layers if offload else 0)
         # Each offloaded checkpoint lowers the device peak by one checkpoint: offload as few as needed.
         for k in range(shape.layers + 1):
-            plan = build(tiled, chunk, k)
+            plan = build(chunked, chunk, k)
             if plan.predicted_peak <= usable:
                 break
         return plan
 
-    can_tile = micro > mlp_tile_tokens  # below one tile the tiled MLP runs the plain forward anyway
+    can_chunk = micro > mlp_chunk_tokens  # below one chunk the chunked MLP runs the plain forward anyway
     if fallback:
         # Every loss chunk from the given one down to LEAN_MIN_LOSS_CHUNK (the logits chunk is the one term
-        # that does not scale with the step's tokens), tiled and not: the plan that fits with the fewest
-        # offloaded checkpoints, then untiled (no recomputed gate/up), then the largest chunk.
+        # that does not scale with the step's tokens), chunked and not: the plan that fits with the fewest
+        # offloaded checkpoints, then unchunked (no recomputed gate/up), then the largest chunk.
         chunks = [min(loss_chunk_tokens, micro)]
         while chunks[-1] // 2 >= LEAN_MIN_LOSS_CHUNK:
             chunks.append(chunks[-1] // 2)
-        tilings = [False, True] if tile_mlp is None and can_tile else [bool(tile_mlp) and can_tile]
-        plan = min((with_offload(tiled, chunk) for tiled in tilings for chunk in chunks),
+        chunkings = [False, True] if chunk_mlp is None and can_chunk else [bool(chunk_mlp) and can_chunk]
+        plan = min((with_offload(chunked, chunk) for chunked in chunkings for chunk in chunks),
                    key=lambda p: (not p.fits, p.offloaded_checkpoints, 0 if p.fits else p.predicted_peak,
-                                  p.mlp_tile_tokens is not None, -p.loss_chunk_tokens))
+                                  p.mlp_chunk_tokens is not None, -p.loss_chunk_tokens))
     else:
-        if tile_mlp is None:
-            untiled_mlp = w * shape.intermediate * (4 * tokens + 3 * micro)  # 4 kept per token, 3 bwd temporaries
-            tiled = can_tile and untiled_mlp > 0.10 * device_budget_bytes
+        if chunk_mlp is None:
+            unchunked_mlp = w * shape.intermediate * (4 * tokens + 3 * micro)  # 4 kept per token, 3 bwd temporaries
+            chunked = can_chunk and unchunked_mlp > 0.10 * device_budget_bytes
         else:
-            tiled = tile_mlp and can_tile
-        plan = with_offload(tiled, min(loss_chunk_tokens, micro))
-        if tile_mlp is None and not tiled and can_tile and (plan.offloaded_checkpoints or not plan.fits):
-            plan = with_offload(True, plan.loss_chunk_tokens)  # tile before offloading: compute is cheaper than RAM
+            chunked = chunk_mlp and can_chunk
+        plan = with_offload(chunked, min(loss_chunk_tokens, micro))
+        if chunk_mlp is None and not chunked and can_chunk and (plan.offloaded_checkpoints or not plan.fits):
+            plan = with_offload(True, plan.loss_chunk_tokens)  # chunk before offloading: compute is cheaper than RAM
     # The head is rarely the peak, but its logits chunk is the one term that does not scale with T.
     while plan.peak_phase.startswith("head") and plan.predicted_peak > usable and plan.loss_chunk_tokens > 512:
-        plan = build(plan.mlp_tile_tokens is not None, plan.loss_chunk_tokens // 2, plan.offloaded_checkpoints)
+        plan = build(plan.mlp_chunk_tokens is not None, plan.loss_chunk_tokens // 2, plan.offloaded_checkpoints)
     return plan
 
 
@@ -310,4 +310,4 @@ def _add_notes(plan: LongContextPlan) -> None:
                           f"{plan.host_budget / GiB:.1f} GiB is free")
     if plan.predicted_peak > plan.usable:
         plan.notes.append(f"over budget with {plan.offloaded_checkpoints} checkpoints offloaded: offload more, "
-                          "a shorter seq_len, lean RMSNorm, a smaller MLP tile or loss chunk")
+                          "a shorter seq_len, lean RMSNorm, a smaller MLP chunk or loss chunk")

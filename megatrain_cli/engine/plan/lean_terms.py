@@ -1,7 +1,7 @@
 """What one step keeps on the device, term by term, on the lean path (lean.py plans with it).
 
 Where the bytes are, per token, for one recomputed layer (counted from what autograd saves for the
-HF decoder layer with SDPA; test_tiling.py measures the saved tensors of a real layer against it):
+HF decoder layer with SDPA; test_lean_layers.py measures the saved tensors of a real layer against it):
 
     layer input (the checkpoint, now a leaf)     w*H
     input RMSNorm (HF)                           4*H fp32 upcast + w*H normalised + 4 (1/rms)
@@ -9,11 +9,11 @@ HF decoder layer with SDPA; test_tiling.py measures the saved tensors of a real 
     q, k, v after rotary (SDPA's inputs)         w*(q + 2*kv)
     SDPA output (= o_proj input), logsumexp      w*q + 4*heads
     post-attention RMSNorm, MLP input            same as the input norm, w*H
-    MLP intermediates                            4*w*I untiled (gate, act, up, product); 0 tiled
+    MLP intermediates                            4*w*I unchunked (gate, act, up, product); 0 chunked
     layer output (held by the engine)            w*H
 
 `w` is the compute dtype's width. For Qwen2.5-7B in bf16 that is 95 KB per token: 50 GB at 512K with
-the MLP tiled (the untiled MLP would add 152 KB/token, 79 GB). A checkpoint is w*H = 7 KB/token,
+the MLP chunked (the unchunked MLP would add 152 KB/token, 79 GB). A checkpoint is w*H = 7 KB/token,
 3.76 GB at 512K, 28 of them 105 GB: at long context they, not the layer, decide what fits.
 """
 
@@ -78,7 +78,7 @@ def _norm_saved(h: int, width: int, lean: bool, input_saved_elsewhere: bool) -> 
     return upcast + width * h + rstd
 
 
-def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_tiled: bool, lean_norms: bool
+def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_chunked: bool, lean_norms: bool
                       ) -> dict[str, int]:
     """What autograd keeps for one recomputed decoder layer over `tokens` tokens, by term."""
     s, w = shape, width
@@ -90,7 +90,7 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_tiled: 
         "SDPA output + logsumexp": w * s.q_dim + 4 * s.heads,
         "post-attention RMSNorm": _norm_saved(s.hidden, w, lean_norms, input_saved_elsewhere=False),
         "MLP input": w * s.hidden,
-        "MLP intermediates": 0 if mlp_tiled else 4 * w * s.intermediate,
+        "MLP intermediates": 0 if mlp_chunked else 4 * w * s.intermediate,
         "layer output": w * s.hidden,
     }
     if s.qk_norm:  # q_norm / k_norm read the projections' outputs, which nothing else keeps
@@ -119,13 +119,13 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
     }
     many = plan.grad_accum > 1
     phases = {}
-    mlp_rows = min(plan.mlp_tile_tokens, t) if plan.mlp_tile_tokens else t
+    mlp_rows = min(plan.mlp_chunk_tokens, t) if plan.mlp_chunk_tokens else t
     phases["forward (no autograd)"] = {
         "checkpoints on the device": on_device * U,
         # The layer's outputs for every micro-batch, and one micro-batch's temporaries: the larger of the
         # HF RMSNorm (fp32 upcast + fp32 normalised + the cast back; the lean one works in row chunks), the
         # rotary step (normed, q, q*cos, rotate_half(q), q_embed) and the MLP (act, up, their product; per
-        # tile when tiled), plus k and v.
+        # chunk when chunked), plus k and v.
         "layer outputs" + (" (every micro-batch)" if many else ""): T * w * H,
         "one layer's temporaries" + (" (one micro-batch)" if many else ""): (
             max(t * (2 * w * H if plan.lean_norms else (8 + w) * H), t * 5 * w * H, 3 * w * s.intermediate * mlp_rows)
@@ -152,7 +152,7 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
                 "layer gradient (fp32 accumulator + autograd's + cast)": s.layer_numel * (4 + 2 * w),
                 "tied LM-head gradient (fp32, until the embedding backward)": V * H * 4 if s.tied else 0}
     # Recorded for every micro-batch before the layer's backward (the engine's _record_layer).
-    saved = layer_saved_bytes(s, T, w, mlp_tiled=plan.mlp_tile_tokens is not None, lean_norms=plan.lean_norms)
+    saved = layer_saved_bytes(s, T, w, mlp_chunked=plan.mlp_chunk_tokens is not None, lean_norms=plan.lean_norms)
     grads = 2 * T * H * w  # the incoming gradients (the engine keeps them) + the residual stream's gradients
     # PyTorch's FlashAttention-2 backward: dq, dk, dv, an fp32 dq accumulator, and with GQA dk/dv
     # expanded to every query head before they are summed per group. cuDNN is taken to be no larger.
@@ -164,12 +164,12 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
         "gradients in flight (output, residual, attention output)": grads + t * w * s.q_dim,
         "SDPA backward (flash-2 dq/dk/dv, fp32 dq accum" + (", GQA dk/dv expanded)" if gqa else ")"): sdpa_bwd,
     }
-    if plan.mlp_tile_tokens:
-        mlp_work = (8 * min(plan.mlp_tile_tokens, t) * s.intermediate * w  # a tile's gate/act/up/product + grads
-                    + 3 * H * s.intermediate * (4 + w))  # fp32 weight-gradient accumulators + a tile's partials
-        mlp_name = f"MLP backward: one {plan.mlp_tile_tokens}-token tile + fp32 weight accumulators"
+    if plan.mlp_chunk_tokens:
+        mlp_work = (8 * min(plan.mlp_chunk_tokens, t) * s.intermediate * w  # a chunk's gate/act/up/product + grads
+                    + 3 * H * s.intermediate * (4 + w))  # fp32 weight-gradient accumulators + a chunk's partials
+        mlp_name = f"MLP backward: one {plan.mlp_chunk_tokens}-token chunk + fp32 weight accumulators"
     else:
-        mlp_work, mlp_name = 3 * t * s.intermediate * w, "MLP backward temporaries (untiled)"
+        mlp_work, mlp_name = 3 * t * s.intermediate * w, "MLP backward temporaries (unchunked)"
     phases["layer backward, MLP half"] = {**backward, **saved, "gradients in flight (output, MLP input)": grads,
                                           mlp_name: mlp_work}
     return fixed, phases

@@ -155,4 +155,4 @@ def _lean_host_plan(args: dict, lean: LongContextPlan) -> MemoryPlan:
 
 
 def _mlp(lean: LongContextPlan) -> str:
-    return f"MLP tiled by {lean.mlp_tile_tokens}" if lean.mlp_tile_tokens else "MLP untiled"
+    return f"MLP chunked by {lean.mlp_chunk_tokens}" if lean.mlp_chunk_tokens else "MLP unchunked"

@@ -1,4 +1,4 @@
-"""Long-context pieces on the CPU: the tiled MLP and the lean RMSNorm give the untiled gradients, also
+"""Long-context pieces on the CPU: the chunked MLP and the lean RMSNorm give the unchunked gradients, also
 inside an HF decoder-layer template run through functional_call and the engine's WeightRedirect; the
 long-context plan's arithmetic (its per-layer terms against the tensors a real layer saves); the
 checkpoint offloader's round trip.
@@ -10,13 +10,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatrain_cli.engine import tiling
+from megatrain_cli.engine import lean_layers
 from megatrain_cli.engine.plan.lean import plan_long_context
 from megatrain_cli.engine.plan.lean_terms import ModelShape, layer_saved_bytes
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.engine.templates import WeightRedirect, run_bound
-from megatrain_cli.engine.tiling import (best_sdpa_backends, sdpa_backend_context, slim_norms, tile_mlp,
-                                         tiled_mlp, untile_mlp)
+from megatrain_cli.engine.lean_layers import (best_sdpa_backends, sdpa_backend_context, slim_norms, chunk_mlp,
+                                         chunked_mlp, untile_mlp)
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import TileLayout
 from tests.reference import tiny_config
@@ -37,8 +37,8 @@ def plain_mlp(x, gate_w, up_w, down_w, act, gate_b=None, up_b=None, down_b=None)
     return F.linear(act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b), down_w, down_b)
 
 
-@pytest.mark.parametrize("tokens,tile,bias", [(37, 8, False), (32, 8, False), (37, 8, True), (37, 64, False)])
-def test_tiled_mlp_matches_untiled(tokens, tile, bias):
+@pytest.mark.parametrize("tokens,chunk,bias", [(37, 8, False), (32, 8, False), (37, 8, True), (37, 64, False)])
+def test_chunked_mlp_matches_unchunked(tokens, chunk, bias):
     g = torch.Generator().manual_seed(0)
     hidden, inter = 12, 20
     x = torch.randn(2, tokens, hidden, generator=g)
@@ -51,7 +51,7 @@ def test_tiled_mlp_matches_untiled(tokens, tile, bias):
 
     expected = plain_mlp(x, *weights, act, *biases)
     expected_grads = torch.autograd.grad(expected, leaves, grad_out)
-    actual = tiled_mlp(x, *weights, act, tile, *biases)
+    actual = chunked_mlp(x, *weights, act, chunk, *biases)
     actual_grads = torch.autograd.grad(actual, leaves, grad_out)
 
     assert_close(actual, expected)
@@ -59,10 +59,10 @@ def test_tiled_mlp_matches_untiled(tokens, tile, bias):
         assert_close(a, e)
 
 
-def test_tiled_mlp_skips_gradients_nobody_asked_for():
+def test_chunked_mlp_skips_gradients_nobody_asked_for():
     x = torch.randn(19, 6, requires_grad=True)
     frozen = [torch.randn(10, 6), torch.randn(10, 6), torch.randn(6, 10)]
-    (dx,) = torch.autograd.grad(tiled_mlp(x, *frozen, torch.nn.SiLU(), 4).sum(), [x])
+    (dx,) = torch.autograd.grad(chunked_mlp(x, *frozen, torch.nn.SiLU(), 4).sum(), [x])
     expected = torch.autograd.grad(plain_mlp(x, *frozen, torch.nn.SiLU()).sum(), [x])[0]
     assert_close(dx, expected)
 
@@ -111,37 +111,37 @@ def graph_nodes(y) -> set[str]:
 @pytest.mark.parametrize("lean", [False, True])
 def test_tiled_layer_template_matches_plain(arch, lean):
     adapter, layout, flat = layer_setup(arch)
-    plain, tiled = adapter.make_layer_template(0), adapter.make_layer_template(0)
-    tile_mlp(tiled, 8)  # 2 x 37 tokens: 10 tiles, the last one short
+    plain, chunked = adapter.make_layer_template(0), adapter.make_layer_template(0)
+    chunk_mlp(chunked, 8)  # 2 x 37 tokens: 10 tiles, the last one short
     if lean:
-        assert slim_norms(tiled) == (4 if arch == "Qwen3ForCausalLM" else 2)
+        assert slim_norms(chunked) == (4 if arch == "Qwen3ForCausalLM" else 2)
     x = torch.randn(2, 37, adapter.hidden_size)
     grad_out = torch.randn(2, 37, adapter.hidden_size)
 
     results = []
-    for template in (plain, tiled):
+    for template in (plain, chunked):
         y, weights, leaf = layer_grads(template, adapter, layout, flat, x, grad_out)
         grads = torch.autograd.grad(y, [leaf, *weights.values()], grad_out)
         results.append((y, grads))
     (y0, g0), (y1, g1) = results
-    assert "TiledMLPBackward" in graph_nodes(y1) and "TiledMLPBackward" not in graph_nodes(y0)
+    assert "ChunkedMLPBackward" in graph_nodes(y1) and "ChunkedMLPBackward" not in graph_nodes(y0)
     assert_close(y1, y0)
     for a, e in zip(g1, g0):
         assert_close(a, e)
     with torch.no_grad():  # the engine's forward pass: no graph, the same tiles
         weights = {k: v for k, v in layout.views(flat).items()}
-        assert_close(run_layer(tiled, weights, x, adapter), y0)
+        assert_close(run_layer(chunked, weights, x, adapter), y0)
 
-    untile_mlp(tiled)
-    tiling.unslim_norms(tiled)
-    assert "forward" not in tiled.mlp.__dict__ and tiling.mlp_tile_tokens(tiled) is None
+    untile_mlp(chunked)
+    lean_layers.unslim_norms(chunked)
+    assert "forward" not in chunked.mlp.__dict__ and lean_layers.mlp_chunk_tokens(chunked) is None
 
 
 def test_tiled_layer_under_weight_redirect_reads_weights_where_they_are_now():
-    """The engine's saved-tensor hooks see the tiled MLP's saved weights: after the forward, the tile
+    """The engine's saved-tensor hooks see the chunked MLP's saved weights: after the forward, the tile
     moves to another buffer and the old one is overwritten; backward must read the new one."""
     adapter, layout, flat = layer_setup("Qwen2ForCausalLM", seed=1)
-    plain, tiled = adapter.make_layer_template(0), tile_mlp(adapter.make_layer_template(0), 5)
+    plain, chunked = adapter.make_layer_template(0), chunk_mlp(adapter.make_layer_template(0), 5)
     x = torch.randn(1, 23, adapter.hidden_size)
     grad_out = torch.randn(1, 23, adapter.hidden_size)
     y0, w0, x0 = layer_grads(plain, adapter, layout, flat.clone(), x, grad_out)
@@ -150,7 +150,7 @@ def test_tiled_layer_under_weight_redirect_reads_weights_where_they_are_now():
     resident = {"layers.0": flat}
     redirect = WeightRedirect(lambda tile: resident[tile])
     redirect.bind("layers.0", flat)
-    y1, w1, x1 = layer_grads(tiled, adapter, layout, flat, x, grad_out, hooks=redirect.hooks)
+    y1, w1, x1 = layer_grads(chunked, adapter, layout, flat, x, grad_out, hooks=redirect.hooks)
     resident["layers.0"] = flat.clone()  # streamed in again, into another slot
     flat.fill_(float("nan"))  # the old slot now holds another layer
     actual = torch.autograd.grad(y1, [x1, *w1.values()], grad_out)
@@ -159,7 +159,7 @@ def test_tiled_layer_under_weight_redirect_reads_weights_where_they_are_now():
 
 
 def test_lean_rmsnorm_matches_hf_in_row_chunks(monkeypatch):
-    monkeypatch.setattr(tiling, "NORM_ROWS_PER_CHUNK", 5)  # 3 x 7 rows: 5 chunks, the last one short
+    monkeypatch.setattr(lean_layers, "NORM_ROWS_PER_CHUNK", 5)  # 3 x 7 rows: 5 chunks, the last one short
     adapter = ModelAdapter(tiny_config("Qwen2ForCausalLM", layers=1))
     hf, lean = adapter.make_norm_template(), adapter.make_norm_template()
     assert slim_norms(lean) == 1
@@ -217,7 +217,7 @@ def test_plan_7b_offloads_at_512k_not_at_32k():
     long = plan_long_context(config, 512 * 1024, device_budget_bytes=141 * GB)
     assert long.checkpoint_interval == 1
     assert long.checkpoint_bytes == pytest.approx(3.76e9, rel=0.01)
-    assert long.mlp_tile_tokens is not None
+    assert long.mlp_chunk_tokens is not None
     assert 0 < long.offloaded_checkpoints < long.num_checkpoints
     assert long.fits and long.predicted_peak <= 0.95 * 141 * GB
     assert list(long.offload_keys) == list(range(long.offloaded_checkpoints))
@@ -234,7 +234,7 @@ def test_plan_7b_offloads_at_512k_not_at_32k():
 def test_plan_grows_linearly_with_tokens():
     config = qwen25_7b()
     peak = {n: plan_long_context(config, n * 256 * 1024, device_budget_bytes=141 * GB, offload=False,
-                                 tile_mlp=True).predicted_peak for n in (1, 2, 3, 4)}
+                                 chunk_mlp=True).predicted_peak for n in (1, 2, 3, 4)}
     assert peak[2] - peak[1] == pytest.approx(peak[4] - peak[3], rel=0.03)
     assert peak[4] - peak[3] > 0
 
@@ -246,13 +246,13 @@ def test_plan_offload_host_budget_is_checked():
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "Qwen3ForCausalLM"])
-@pytest.mark.parametrize("tiled,lean", [(False, False), (True, False), (True, True)])
-def test_plan_counts_what_a_real_layer_saves(arch, tiled, lean):
+@pytest.mark.parametrize("chunked,lean", [(False, False), (True, False), (True, True)])
+def test_plan_counts_what_a_real_layer_saves(arch, chunked, lean):
     """The plan's per-layer terms against the bytes autograd actually keeps for an HF layer in bf16."""
     adapter, layout, flat = layer_setup(arch, dtype=torch.bfloat16, hidden=64, heads=8, kv_heads=2, inter=160)
     template = adapter.make_layer_template(0)
-    if tiled:
-        tile_mlp(template, 16)
+    if chunked:
+        chunk_mlp(template, 16)
     if lean:
         slim_norms(template)
     weights = {k: v.detach().requires_grad_() for k, v in layout.views(flat).items()}
@@ -270,7 +270,7 @@ def test_plan_counts_what_a_real_layer_saves(arch, tiled, lean):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         run_bound(template, weights, x, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
-    planned = layer_saved_bytes(ModelShape.of(adapter), 96, 2, mlp_tiled=tiled, lean_norms=lean)
+    planned = layer_saved_bytes(ModelShape.of(adapter), 96, 2, mlp_chunked=chunked, lean_norms=lean)
     # The layer's input and output are the engine's to keep, not autograd's.
     planned = sum(planned.values()) - planned["layer input (the checkpoint, now a leaf)"] - planned["layer output"]
     assert sum(kept.values()) == pytest.approx(planned, rel=0.01)

@@ -1,12 +1,12 @@
-"""Long-context building blocks inside one decoder layer: a sequence-tiled MLP, a memory-lean RMSNorm,
+"""Long-context building blocks inside one decoder layer: a sequence-chunked MLP, a memory-lean RMSNorm,
 and the choice of SDPA backend.
 
 Why the MLP. At T tokens a SwiGLU MLP's autograd keeps four [T, intermediate] tensors (gate out, act
 out, up out, their product). For a 7B model at 512K tokens each is 19.9 GB, so the MLP alone would
-keep ~80 GB for one layer. `TiledMLP` keeps only its input x (already alive: it is the norm's output)
-and the weights (by reference: through `WeightRedirect` they are saved as tile markers, not storage).
-Its backward walks the sequence in tiles of `tile_tokens`, recomputes each tile's gate/up/act with
-autograd and accumulates the weight gradients tile by tile, so only one tile's intermediates are
+keep ~80 GB for one layer. `ChunkedMLP` keeps only its input x (already alive: it is the norm's output)
+and the weights (by reference: through `WeightRedirect` they are saved as (tile, offset) markers, not storage).
+Its backward walks the sequence in chunks of `chunk_tokens`, recomputes each chunk's gate/up/act with
+autograd and accumulates the weight gradients chunk by chunk, so only one chunk's intermediates are
 ever alive. Cost: gate and up run once more per token in backward (2 extra GEMMs on top of the 9 of
 an MLP forward+backward, ~+20% MLP FLOPs), plus fp32 accumulators for the three weight gradients
 (3 x intermediate x hidden x 4 bytes, 815 MB for 7B) while one layer's backward runs.
@@ -43,18 +43,18 @@ def _gated(x: torch.Tensor, gate_w, up_w, gate_b, up_b, act: Callable) -> torch.
     return act(F.linear(x, gate_w, gate_b)) * F.linear(x, up_w, up_b)
 
 
-class TiledMLP(torch.autograd.Function):
-    """down(act(gate(x)) * up(x)) over sequence tiles; saves x and the weights, nothing [T, inter]."""
+class ChunkedMLP(torch.autograd.Function):
+    """down(act(gate(x)) * up(x)) over sequence chunks; saves x and the weights, nothing [T, inter]."""
 
     @staticmethod
-    def forward(ctx, x, gate_w, up_w, down_w, gate_b, up_b, down_b, act, tile_tokens):
+    def forward(ctx, x, gate_w, up_w, down_w, gate_b, up_b, down_b, act, chunk_tokens):
         rows = x.reshape(-1, x.shape[-1])
         out = torch.empty(rows.shape[0], down_w.shape[0], dtype=x.dtype, device=x.device)
-        for lo in range(0, rows.shape[0], tile_tokens):
-            hi = min(lo + tile_tokens, rows.shape[0])
+        for lo in range(0, rows.shape[0], chunk_tokens):
+            hi = min(lo + chunk_tokens, rows.shape[0])
             out[lo:hi] = F.linear(_gated(rows[lo:hi], gate_w, up_w, gate_b, up_b, act), down_w, down_b)
         ctx.save_for_backward(x, gate_w, up_w, down_w, gate_b, up_b, down_b)
-        ctx.act, ctx.tile_tokens = act, tile_tokens
+        ctx.act, ctx.chunk_tokens = act, chunk_tokens
         return out.view(*x.shape[:-1], down_w.shape[0])
 
     @staticmethod
@@ -65,8 +65,8 @@ class TiledMLP(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         g_rows = grad_out.reshape(-1, grad_out.shape[-1]).to(x.dtype)
         d_rows = torch.empty_like(rows) if need[0] else None
-        # Weight gradients are sums over every token: accumulate the per-tile partial sums in fp32 so a
-        # bf16 run rounds once at the end, as one untiled GEMM would, not once per tile.
+        # Weight gradients are sums over every token: accumulate the per-chunk partial sums in fp32 so a
+        # bf16 run rounds once at the end, as one unchunked GEMM would, not once per chunk.
         acc_dtype = torch.promote_types(gate_w.dtype, torch.float32)
         params = (gate_w, up_w, down_w, gate_b, up_b, down_b)
         acc = [torch.zeros(p.shape, dtype=acc_dtype, device=p.device) if (p is not None and n) else None
@@ -76,8 +76,8 @@ class TiledMLP(torch.autograd.Function):
         lg_w, lu_w, _, lg_b, lu_b, _ = leaves
         # Inputs slot 0 (x) and 1, 2, 4, 5 (gate/up weight and bias) are in the recomputed graph.
         wanted = [i for i in (0, 1, 2, 4, 5) if need[i]]
-        for lo in range(0, rows.shape[0], ctx.tile_tokens):
-            hi = min(lo + ctx.tile_tokens, rows.shape[0])
+        for lo in range(0, rows.shape[0], ctx.chunk_tokens):
+            hi = min(lo + ctx.chunk_tokens, rows.shape[0])
             x_t = rows[lo:hi].detach().requires_grad_(need[0])
             g_t = g_rows[lo:hi]
             with torch.enable_grad():
@@ -103,37 +103,37 @@ class TiledMLP(torch.autograd.Function):
         return (d_x, *grads_w, None, None)
 
 
-def tiled_mlp(x: torch.Tensor, gate_w, up_w, down_w, act: Callable, tile_tokens: int,
+def chunked_mlp(x: torch.Tensor, gate_w, up_w, down_w, act: Callable, chunk_tokens: int,
               gate_b=None, up_b=None, down_b=None) -> torch.Tensor:
-    """Functional entry: an HF SwiGLU MLP over `x` [..., hidden], tiled over its tokens."""
-    if tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
-    return TiledMLP.apply(x, gate_w, up_w, down_w, gate_b, up_b, down_b, act, tile_tokens)
+    """Functional entry: an HF SwiGLU MLP over `x` [..., hidden], chunked over its tokens."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return ChunkedMLP.apply(x, gate_w, up_w, down_w, gate_b, up_b, down_b, act, chunk_tokens)
 
 
-def _tiled_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _chunked_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Read the weights now, not at install time: functional_call has bound the streamed views.
     if x.numel() // x.shape[-1] <= self.megatrain_tile_tokens:
-        # One tile would be the whole sequence: the plain forward is the same memory, minus the recompute.
+        # One chunk would be the whole sequence: the plain forward is the same memory, minus the recompute.
         return type(self).forward(self, x)
-    return tiled_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act_fn,
+    return chunked_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act_fn,
                      self.megatrain_tile_tokens, self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
 
 
-def tile_mlp(layer: nn.Module, tile_tokens: int) -> nn.Module:
-    """Make `layer.mlp` (an HF gate/up/down MLP) run tiled over `tile_tokens`; returns the layer.
+def chunk_mlp(layer: nn.Module, chunk_tokens: int) -> nn.Module:
+    """Make `layer.mlp` (an HF gate/up/down MLP) run chunked over `chunk_tokens`; returns the layer.
 
-    Idempotent (a second call only changes the tile size). Works on meta-device templates: nothing
+    Idempotent (a second call only changes the chunk size). Works on meta-device templates: nothing
     is allocated, the weights are read at call time.
     """
     mlp = layer.mlp
     for part in ("gate_proj", "up_proj", "down_proj", "act_fn"):
         if not hasattr(mlp, part):
-            raise TypeError(f"{type(mlp).__name__} has no {part}: not a gated (SwiGLU) MLP, cannot tile it")
-    if tile_tokens < 1:
-        raise ValueError(f"tile_tokens must be >= 1, got {tile_tokens}")
-    mlp.megatrain_tile_tokens = int(tile_tokens)
-    mlp.forward = types.MethodType(_tiled_mlp_forward, mlp)
+            raise TypeError(f"{type(mlp).__name__} has no {part}: not a gated (SwiGLU) MLP, cannot chunk it")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    mlp.megatrain_tile_tokens = int(chunk_tokens)
+    mlp.forward = types.MethodType(_chunked_mlp_forward, mlp)
     return layer
 
 
@@ -145,8 +145,8 @@ def untile_mlp(layer: nn.Module) -> nn.Module:
     return layer
 
 
-def mlp_tile_tokens(layer: nn.Module) -> int | None:
-    """The tile size installed on `layer.mlp`, or None when it runs untiled."""
+def mlp_chunk_tokens(layer: nn.Module) -> int | None:
+    """The chunk size installed on `layer.mlp`, or None when it runs unchunked."""
     return getattr(layer.mlp, "megatrain_tile_tokens", None)
 
 
