@@ -37,8 +37,8 @@ def run_head(engine, h, labels, norm_scale, sq_norm):
             normed = run_bound(engine.norm_template, norm_w, x)
         flat_n = normed.detach().reshape(-1, normed.shape[-1])
         flat_l = lab.reshape(-1)
-        if engine._fused_ce is not None:
-            d_normed, loss_sum = fused_loss(engine._fused_ce, flat_n, flat_l, lm_w, lm_grad, norm_scale, engine.chunk)
+        if engine.fused_ce is not None:
+            d_normed, loss_sum = fused_loss(engine.fused_ce, flat_n, flat_l, lm_w, lm_grad, norm_scale, engine.chunk)
         else:
             d_normed, loss_sum = chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale, engine.chunk)
         n_tok = int((flat_l != IGNORE_INDEX).sum())

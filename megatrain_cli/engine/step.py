@@ -194,6 +194,11 @@ class Engine:
         res.times["optimizer"] = time.perf_counter() - t0
         return res
 
+    @property
+    def fused_ce(self):
+        """The fused linear + cross-entropy kernel the head runs, or None on the PyTorch path."""
+        return self._fused_ce
+
     def recomputed_layers(self) -> int:
         """Layers whose forward runs twice per step (their block is recomputed for its backward)."""
         return sum(len(b) for i, b in enumerate(blocks(self.adapter.num_layers, self.interval))
