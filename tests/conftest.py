@@ -14,9 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Tokenisation cache (megatrain_cli/data/token_cache.py): one fresh directory per test session, so
-# no test depends on what an earlier run left in ~/.cache.
-if "MEGATRAIN_CACHE" not in os.environ:
-    import tempfile
+# Tokenisation cache (megatrain_cli/data/token_cache.py, under the user's cache directory): one fresh
+# directory per test session, so no test depends on what an earlier run left in ~/.cache.
+# torch's extension build cache (the C++ host AdamW) also follows XDG_CACHE_HOME: it stays where it was,
+# so a session does not recompile what the last one built.
+import tempfile
 
-    os.environ["MEGATRAIN_CACHE"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")
+from torch.utils.cpp_extension import get_default_build_root
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", get_default_build_root())
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")

@@ -375,9 +375,9 @@ def test_tokenisation_is_cached_on_disk_and_keyed_by_data_tokenizer_and_template
     entries[0].write_bytes(b"not a safetensors file")
     rebuilt = build_train_data(exs, tok, DataConfig(cache_dir=str(tmp_path)), seq_len=128, seed=0)
     assert torch.equal(rebuilt.tokens, first.tokens)
-    # 'off' writes nothing; 'auto' writes under $MEGATRAIN_CACHE/tokenized.
-    monkeypatch.setenv("MEGATRAIN_CACHE", str(tmp_path / "env"))
+    # 'off' writes nothing; 'auto' writes under the user's cache directory, megatrain/tokenized.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "env"))
     build_train_data(exs, tok, DataConfig(cache_dir="off"), seq_len=128, seed=0)
     assert not (tmp_path / "env").exists()
     build_train_data(exs, tok, DataConfig(cache_dir="auto"), seq_len=128, seed=0)
-    assert len(list((tmp_path / "env" / "tokenized").glob("*.safetensors"))) == 1
+    assert len(list((tmp_path / "env" / "megatrain" / "tokenized").glob("*.safetensors"))) == 1

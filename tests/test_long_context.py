@@ -1,4 +1,4 @@
-"""The engine's long-context path (issue #9) on the CPU: with a LongContextPlan (chunked MLP, lean norms,
+"""The engine's long-context path (issue #9) on the CPU: with a LeanPlan (chunked MLP, lean norms,
 checkpoints through the offloader, the plan's loss chunk) a step is the same arithmetic as without
 one; the bench's long-context path runs a step of the tiny preset and refuses a plan that does not fit.
 """

@@ -238,3 +238,38 @@ def test_cuda_out_of_memory_names_the_phase_and_what_to_change(tmp_path, capsys,
     assert "CUDA out of memory during " + ("head" if phase == "_head" else "backward (layer") in err
     assert advice in err and "--dry-run" in err and "Traceback" not in err
     assert not (out / "final").exists()  # nothing half-written is presented as a result
+
+
+def test_tensorboard_without_its_package_is_refused_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """logging.tensorboard writes events (metrics/logs.py); asked for without the package, the run stops at
+    once with what to do, instead of training without the log it was asked for."""
+    from megatrain_cli.metrics import logs
+
+    monkeypatch.setattr(logs, "tensorboard_available", lambda: False)
+    out = tmp_path / "tb"
+    assert run_training(recipe(out, "logging.tensorboard=true")) == 2
+    err = capsys.readouterr().err
+    assert "logging.tensorboard is on but the tensorboard package is not installed" in err
+    assert "Traceback" not in err and not out.exists()
+
+
+def test_tensorboard_log_gets_every_logged_step(tmp_path, monkeypatch):
+    """With the package there (a stand-in writer here), every metrics line also goes to TensorBoard."""
+    from megatrain_cli.metrics import logs
+
+    written = []
+
+    class Recorder:
+        def __init__(self, log_dir):
+            self.log_dir = log_dir
+
+        def write(self, m):
+            written.append(m.step)
+
+        def close(self):
+            written.append("closed")
+
+    monkeypatch.setattr(logs, "tensorboard_available", lambda: True)
+    monkeypatch.setattr(logs, "TensorBoardLog", Recorder)
+    assert run_training(recipe(tmp_path / "tb", "logging.tensorboard=true", "train.steps=2")) == 0
+    assert written == [1, 2, "closed"]

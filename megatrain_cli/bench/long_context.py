@@ -1,7 +1,7 @@
 """`megatrain bench` on the long-context path: sequences of train.seq_len >= engine.long_context_min_seq
 (the planner's rule, as in `train`), typically one sequence of 32K-512K tokens per step.
 
-The engine runs the planner's LongContextPlan: checkpoint interval 1, the MLP chunked over the sequence
+The engine runs the planner's LeanPlan: checkpoint interval 1, the MLP chunked over the sequence
 where that helps, the loss in chunks, as many layer checkpoints in pinned host memory as the device
 budget needs, SDPA restricted to cuDNN / flash / memory-efficient. A plan that does not fit is answered
 with a row whose notes start 'does not fit:' and whose tokens_per_s is 0; nothing is allocated.

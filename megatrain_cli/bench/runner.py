@@ -25,7 +25,7 @@ import torch
 from megatrain_cli.bench import long_context, short
 from megatrain_cli.bench.result import BenchResult, model_label
 from megatrain_cli.bench.settings import BenchRun, bench_model_config, model_name
-from megatrain_cli.engine.plan.lean import GiB, LongContextPlan, refusal
+from megatrain_cli.engine.plan.lean import GiB, LeanPlan, refusal
 from megatrain_cli.engine.plan.step_plan import StepPlan, plan_step
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.recipe import Recipe, parse_bytes
@@ -49,7 +49,7 @@ class Planned:
     plan: StepPlan
     label: str
     problems: list
-    full: LongContextPlan | None = None
+    full: LeanPlan | None = None
     full_store: HostStore | None = None
 
     @property

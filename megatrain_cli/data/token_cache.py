@@ -28,7 +28,8 @@ FORMAT_VERSION = 1  # bump when what tokenize_batch produces changes
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("MEGATRAIN_CACHE", Path.home() / ".cache" / "megatrain")) / "tokenized"
+    """data.cache_dir 'auto': the user's cache directory (the platform's XDG convention, else ~/.cache)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatrain" / "tokenized"
 
 
 def tokenizer_fingerprint(tokenizer) -> str:

@@ -17,7 +17,7 @@ from megatrain_cli.batch import MicroBatch, StepResult
 from megatrain_cli.engine import kernel_patch
 from megatrain_cli.engine.inputs import step_inputs
 from megatrain_cli.engine.head import run_head
-from megatrain_cli.engine.plan.lean import LongContextPlan
+from megatrain_cli.engine.plan.lean import LeanPlan
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
 from megatrain_cli.engine.lean_layers import SDPA_BACKENDS, sdpa_backend_context, slim_norms, chunk_mlp
@@ -56,7 +56,7 @@ class Engine:
                  checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
                  keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
                  double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
-                 long_context: LongContextPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
+                 long_context: LeanPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
                  host_adamw: str = "auto", defer_moments: bool = True, update_on_read: bool = True,
                  packer_threads: int | None = None, adamw_threads: int | None = None,
                  dist: DistContext | None = None):
@@ -121,7 +121,7 @@ class Engine:
                 kernel_patch.install_kernels(template)
             self._fused_ce = kernel_patch.fused_cross_entropy()
 
-    def _install_long_context(self, plan: LongContextPlan) -> None:
+    def _install_long_context(self, plan: LeanPlan) -> None:
         if plan.mlp_chunk_tokens:
             for template in self.templates.all():
                 chunk_mlp(template, plan.mlp_chunk_tokens)

@@ -50,7 +50,7 @@ class DataConfig:
                         "FLOPs go to padding.", True)
     num_proc: int = doc("Processes for tokenisation.", 1)
     cache_dir: str = doc("Cache of tokenised examples (keyed by the data, tokenizer and template): 'auto' "
-                         "(~/.cache/megatrain/tokenized, or $MEGATRAIN_CACHE/tokenized), a directory, or 'off'.",
+                         "(the user's cache directory: ~/.cache/megatrain/tokenized), a directory, or 'off'.",
                          "auto")
 
 

@@ -35,7 +35,7 @@ def fmt_bytes(n: int) -> str:
 
 
 @dataclass
-class LongContextPlan:
+class LeanPlan:
     seq_len: int
     batch: int
     budget: int  # device bytes
@@ -124,7 +124,7 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
                       host_budget_bytes: int | None = None, dtype: torch.dtype = torch.bfloat16,
                       layer_slots: int = 2, mlp_chunk_tokens: int = 8192, chunk_mlp: bool | None = None,
                       loss_chunk_tokens: int = 4096, offload: bool | None = None, lean_norms: bool = False,
-                      headroom: float = 0.95, device_type: str = "cuda", fallback: bool = False) -> LongContextPlan:
+                      headroom: float = 0.95, device_type: str = "cuda", fallback: bool = False) -> LeanPlan:
     """The activation plan for one step of `grad_accum` micro-batches of `batch` x `seq_len` tokens.
 
     The engine runs the micro-batches as the inner loop: every micro-batch's checkpoints are kept per
@@ -156,7 +156,7 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
     return plan
 
 
-def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **options) -> LongContextPlan:
+def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **options) -> LeanPlan:
     """plan_long_context, with lean_norms=None choosing: HF's RMSNorm when that plan fits, else the lean
     one when it fits (it offloads fewer checkpoints: less pinned host memory and PCIe), else the HF plan
     (which does not fit; its notes give the lean figures). The engine's path for the long-context bench
@@ -194,7 +194,7 @@ def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad
                       device_type: str, device_budget: int | None, grad_slabs: int = 12, layer_slots: int = 2,
                       loss_chunk_tokens: int = 4096, store_bytes_to_come: int = 0,
                       min_seq_len: int = LONG_CONTEXT_MIN_SEQ, host_available: int | None = None,
-                      fallback: bool = False) -> LongContextPlan | None:
+                      fallback: bool = False) -> LeanPlan | None:
     """The trainer's long-context plan, or None below `min_seq_len` (the short-context engine).
 
     The plan is for grad_accum micro-batches of micro_batch_size x seq_len tokens (the engine records every
@@ -219,7 +219,7 @@ def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad
                        fallback=fallback)
 
 
-def plan_memory_lean(adapter: Any, **training) -> LongContextPlan:
+def plan_memory_lean(adapter: Any, **training) -> LeanPlan:
     """The memory-lean plan for any step shape (batch > 1, several micro-batches, short sequences): the
     fallback when the short-context plan (engine/plan.make_plan) does not fit the device budget. The
     long-context machinery at any length: checkpoint interval 1, a loss chunk halved until the head is
@@ -231,7 +231,7 @@ def plan_memory_lean(adapter: Any, **training) -> LongContextPlan:
     return plan
 
 
-def refusal(plan: LongContextPlan) -> str:
+def refusal(plan: LeanPlan) -> str:
     """Why `plan` does not fit, in one line ('' when it fits)."""
     reasons = []
     if plan.predicted_peak > plan.usable:
@@ -246,20 +246,20 @@ def refusal(plan: LongContextPlan) -> str:
 
 def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget_bytes, host_budget_bytes, dtype,
             layer_slots, mlp_chunk_tokens, chunk_mlp, loss_chunk_tokens, offload, headroom, lean_norms, reserve_bytes,
-            fallback) -> LongContextPlan:
+            fallback) -> LeanPlan:
     w = torch.finfo(dtype).bits // 8
     micro = batch * seq_len  # one micro-batch: the head's chunks, an MLP chunk and SDPA's backward work on it
     tokens = micro * grad_accum  # the step: each checkpoint holds every micro-batch's hidden states
     usable = int(device_budget_bytes * headroom)
 
-    def build(chunked: bool, chunk: int, offloaded: int) -> LongContextPlan:
-        plan = LongContextPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_chunk_tokens if chunked else None,
+    def build(chunked: bool, chunk: int, offloaded: int) -> LeanPlan:
+        plan = LeanPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_chunk_tokens if chunked else None,
                                chunk, lean_norms, shape.layers, offloaded, tokens * shape.hidden * w,
                                host_budget=host_budget_bytes, grad_accum=grad_accum)
         plan.fixed, plan.phases = device_terms(shape, plan, w, layer_slots, reserve_bytes)
         return plan
 
-    def with_offload(chunked: bool, chunk: int) -> LongContextPlan:
+    def with_offload(chunked: bool, chunk: int) -> LeanPlan:
         if offload is not None:
             return build(chunked, chunk, shape.layers if offload else 0)
         # Each offloaded checkpoint lowers the device peak by one checkpoint: offload as few as needed.
@@ -296,7 +296,7 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget
     return plan
 
 
-def _add_notes(plan: LongContextPlan) -> None:
+def _add_notes(plan: LeanPlan) -> None:
     if plan.seq_len > 65536:
         plan.notes.append(f"one document per row: a packed-row mask is [T, T] ({plan.seq_len ** 2 / GiB:.0f} GiB "
                           "as bool per row) and keeps SDPA off flash/cuDNN")

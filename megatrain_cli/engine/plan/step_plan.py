@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain_cli.batch import MAX_LONG_CONTEXT_MASK
-from megatrain_cli.engine.plan.lean import LongContextPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
+from megatrain_cli.engine.plan.lean import LeanPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
 from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
                                               resolve_keep_blocks)
 from megatrain_cli.engine.schedule import blocks
@@ -38,7 +38,7 @@ class StepPlan:
     checkpoint_interval: int
     loss_chunk_tokens: int
     keep_blocks: frozenset = frozenset()
-    lean: LongContextPlan | None = None
+    lean: LeanPlan | None = None
     path: str = ""
     problems: list = field(default_factory=list)
 
@@ -144,7 +144,7 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
     return StepPlan(plan, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, path, problems)
 
 
-def _lean_host_plan(args: dict, lean: LongContextPlan) -> MemoryPlan:
+def _lean_host_plan(args: dict, lean: LeanPlan) -> MemoryPlan:
     """The memory plan whose host figures stand on a lean path; its device figures are the short-context
     engine's, which the lean plan replaces (said in its notes)."""
     plan = make_plan(**{**args, "checkpoint_interval": lean.checkpoint_interval,
@@ -154,5 +154,5 @@ def _lean_host_plan(args: dict, lean: LongContextPlan) -> MemoryPlan:
     return plan
 
 
-def _mlp(lean: LongContextPlan) -> str:
+def _mlp(lean: LeanPlan) -> str:
     return f"MLP chunked by {lean.mlp_chunk_tokens}" if lean.mlp_chunk_tokens else "MLP unchunked"
