@@ -80,7 +80,7 @@ MOVED_FLAGS = {
     "--no-update-on-read": (False, "engine.update_on_read=false"),
     "--no-memory-fallback": (False, "engine.memory_fallback=false"),
     "--dist-sync": (False, "engine.overlap_ranks=false"),
-    "--dashboard": (True, "logging.dashboard=auto|rich|plain|'off' (quoted: YAML reads a bare off as false)"),
+    "--dashboard": (True, "logging.dashboard=auto|rich|plain|off"),
     "--device-cast": (False, None),
 }
 
