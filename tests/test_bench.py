@@ -114,3 +114,19 @@ def test_steady_state_is_the_mean_of_the_timed_steps_after_the_first():
     assert res.steady_step_time_s > 0 and "steady state (timed steps 2..3" in res.notes
     one = run_bench(cpu_recipe(batch=2, seq=32), BenchRun(steps=1, warmup=1), log=lambda m: None)
     assert one.steady_step_time_s == 0.0 and "steady state" not in one.notes
+
+
+def test_old_bench_flags_are_answered_with_the_recipe_key_that_replaced_them():
+    """bench's settings flags became recipe keys (issue #17): an old command line fails with its fix,
+    a value it took is not mistaken for the recipe, and unknown options are refused too."""
+    from megatrain_cli.bench.settings import split_args
+
+    recipe, overrides, problems = split_args(["--checkpoint-interval", "2", "engine.sdpa=flash", "--device-cast",
+                                              "--no-speculation", "my.yaml", "--max-gpu-mem=24GiB", "--fast"])
+    assert recipe == "my.yaml" and overrides == ["engine.sdpa=flash"]
+    assert problems == ["--checkpoint-interval: now a recipe key: engine.checkpoint_interval=N",
+                        "--device-cast: removed (the feature is gone)",
+                        "--no-speculation: now a recipe key: engine.speculate_optimizer=false",
+                        "--max-gpu-mem: now a recipe key: engine.max_gpu_mem=24GiB",
+                        "--fast: no such option of `megatrain bench` (engine settings are recipe keys, key.sub=value; "
+                        "`megatrain bench --help` lists them)"]
