@@ -56,6 +56,8 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         print("# resolved recipe")
         print(render_yaml(r))
         print(plan.render())
+        if plan.lean is not None and not plan.lean.fits:
+            print("(`megatrain train --force` runs it anyway)")
         return 0
     if plan.problems and not force:
         raise TrainingError("the run would not fit:\n  " + "\n  ".join(plan.problems) +

@@ -52,7 +52,7 @@ class StepPlan:
         if self.lean is not None:
             lines.append(self.lean.render())
             if not self.lean.fits:
-                lines.append(f"would not fit: {refusal(self.lean)} (--force runs it anyway)")
+                lines.append(f"would not fit: {refusal(self.lean)}")
         return "\n".join(lines)
 
 
