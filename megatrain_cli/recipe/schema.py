@@ -30,6 +30,8 @@ class ModelConfig:
     tokenizer: Optional[str] = doc("Tokenizer directory; default: the model path, or the bundled offline "
                                    "tokenizer for presets.", None)
     seed: int = doc("Seed for random init of presets.", 0)
+    allow_unverified: bool = doc("Train a decoder-only model type that has no parity test here (the list: "
+                                 "models/families.py), with a warning. Off: such a model is refused.", False)
 
 
 @dataclass
@@ -72,6 +74,9 @@ class TrainConfig:
     seed: int = doc("Seed for data order.", 42)
     nan_policy: Literal["skip", "stop"] = doc("On a NaN/Inf loss or gradient: skip the step (counted) or stop.",
                                               "skip")
+    max_wall_time: Optional[str] = doc("Stop cleanly after this much wall time (e.g. '3h50m', '90s'): checkpoint "
+                                       "after the step in flight and exit with the preemption code; null: no limit.",
+                                       None)
 
 
 @dataclass
