@@ -1,17 +1,22 @@
 """Named model shapes: random-init models for `bench`, the demo and tests (no weights needed).
 
-Shapes follow the published Qwen2.5 and Llama-3 configs; `tiny` is ours, sized so that the embedded
-default trains on two CPU cores in well under three minutes.
+Shapes follow the published configs (Qwen2.5, Llama 3, Gemma 2 / 3, Phi-4, OLMo 2): the common fields
+below, plus what a family's config sets beyond them (`extra`: head_dim, softcaps, sliding windows, two
+RoPE bases, token ids), so that a preset builds the same modules the published checkpoint has;
+tests/test_presets.py checks each parameter count against the published figure. `tiny` is ours, sized
+so that the embedded default trains on two CPU cores in well under three minutes.
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Preset:
-    architecture: str  # HF class name in config.architectures
+    model_type: str  # transformers' model_type (AutoConfig.for_model)
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
@@ -22,13 +27,24 @@ class Preset:
     rope_theta: float = 1_000_000.0
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
+    extra: tuple[tuple[str, Any], ...] = ()  # further config fields, as (name, value) pairs
+
+    @property
+    def architecture(self) -> str:
+        """The causal-LM class transformers builds for this model_type (config.architectures[0])."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.model_type]
 
     def hf_config(self, vocab_size: int | None = None, max_position_embeddings: int | None = None):
-        """A transformers config object for this shape."""
+        """A transformers config object for this shape (a new one per call: callers may change it)."""
         from transformers import AutoConfig
 
-        model_type = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}[self.architecture]
-        kwargs = dict(
+        extra = copy.deepcopy(dict(self.extra))
+        # One RoPE base unless the family sets its own parameters (Gemma 3: one per layer type).
+        rope = extra.pop("rope_parameters", {"rope_type": "default", "rope_theta": self.rope_theta})
+        return AutoConfig.for_model(
+            self.model_type,
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
@@ -38,27 +54,51 @@ class Preset:
             tie_word_embeddings=self.tie_word_embeddings,
             max_position_embeddings=max_position_embeddings or self.max_position_embeddings,
             rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=rope,
             architectures=[self.architecture],
+            **extra,
         )
-        config = AutoConfig.for_model(model_type, **kwargs)
-        # transformers moved rope_theta into rope_parameters in v5; set whichever this version reads.
-        if getattr(config, "rope_parameters", None) is not None:
-            config.rope_parameters["rope_theta"] = self.rope_theta
-        else:
-            config.rope_theta = self.rope_theta
-        return config
 
+
+GEMMA_TOKENS = (("pad_token_id", 0), ("eos_token_id", 1), ("bos_token_id", 2))
 
 PRESETS: dict[str, Preset] = {
     # vocab_size 0 = take the bundled tokenizer's size
-    "tiny": Preset("Qwen2ForCausalLM", 128, 4, 4, 2, 384, 0, True, max_position_embeddings=4096),
-    "0.5b": Preset("Qwen2ForCausalLM", 896, 24, 14, 2, 4864, 151936, True),
-    "1.5b": Preset("Qwen2ForCausalLM", 1536, 28, 12, 2, 8960, 151936, True),
-    "3b": Preset("Qwen2ForCausalLM", 2048, 36, 16, 2, 11008, 151936, True),
-    "7b": Preset("Qwen2ForCausalLM", 3584, 28, 28, 4, 18944, 152064, False),
-    "14b": Preset("Qwen2ForCausalLM", 5120, 48, 40, 8, 13824, 152064, False, rms_norm_eps=1e-5),
-    "32b": Preset("Qwen2ForCausalLM", 5120, 64, 40, 8, 27648, 152064, False, rms_norm_eps=1e-5),
-    "72b": Preset("Qwen2ForCausalLM", 8192, 80, 64, 8, 29568, 152064, False, rms_norm_eps=1e-5),
-    "llama3-8b": Preset("LlamaForCausalLM", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=500000.0,
+    "tiny": Preset("qwen2", 128, 4, 4, 2, 384, 0, True, max_position_embeddings=4096),
+    "0.5b": Preset("qwen2", 896, 24, 14, 2, 4864, 151936, True),
+    "1.5b": Preset("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
+    "3b": Preset("qwen2", 2048, 36, 16, 2, 11008, 151936, True),
+    "7b": Preset("qwen2", 3584, 28, 28, 4, 18944, 152064, False),
+    "14b": Preset("qwen2", 5120, 48, 40, 8, 13824, 152064, False, rms_norm_eps=1e-5),
+    "32b": Preset("qwen2", 5120, 64, 40, 8, 27648, 152064, False, rms_norm_eps=1e-5),
+    "72b": Preset("qwen2", 8192, 80, 64, 8, 29568, 152064, False, rms_norm_eps=1e-5),
+    "llama3-8b": Preset("llama", 4096, 32, 32, 8, 14336, 128256, False, rope_theta=500000.0,
                         max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # google/gemma-2-9b: local (4096-token window) and global layers alternating, attention and final
+    # logit softcaps, queries scaled by 1/sqrt(256), sqrt(hidden)-scaled tied embeddings.
+    "gemma2-9b": Preset("gemma2", 3584, 42, 16, 8, 14336, 256000, True, rope_theta=10000.0,
+                        max_position_embeddings=8192,
+                        extra=(("head_dim", 256), ("sliding_window", 4096), ("final_logit_softcapping", 30.0),
+                               ("attn_logit_softcapping", 50.0), ("query_pre_attn_scalar", 256),
+                               ("hidden_activation", "gelu_pytorch_tanh"), *GEMMA_TOKENS)),
+    # google/gemma-3-12b text model: 5 local (1024-token window, RoPE base 10K) : 1 global (base 1M,
+    # linear scaling x8) layers, q/k norms, no softcaps.
+    "gemma3-12b": Preset("gemma3_text", 3840, 48, 16, 8, 15360, 262208, True, max_position_embeddings=131072,
+                         extra=(("head_dim", 256), ("sliding_window", 1024), ("query_pre_attn_scalar", 256),
+                                ("final_logit_softcapping", None), ("attn_logit_softcapping", None),
+                                ("hidden_activation", "gelu_pytorch_tanh"),
+                                ("rope_parameters", {
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                       "rope_theta": 1_000_000.0}}),
+                                *GEMMA_TOKENS)),
+    # microsoft/phi-4: Phi-3 architecture (fused qkv and gate_up projections), GQA 40:10, untied.
+    "phi4-14b": Preset("phi3", 5120, 40, 40, 10, 17920, 100352, False, rope_theta=250000.0,
+                       max_position_embeddings=16384, rms_norm_eps=1e-5,
+                       extra=(("original_max_position_embeddings", 16384), ("sliding_window", None),
+                              ("bos_token_id", 100257), ("eos_token_id", 100265), ("pad_token_id", 100349))),
+    # allenai/OLMo-2-1124-7B: q/k norms over all heads, norms after attention and MLP, untied.
+    "olmo2-7b": Preset("olmo2", 4096, 32, 32, 32, 11008, 100352, False, rope_theta=500000.0,
+                       max_position_embeddings=4096,
+                       extra=(("bos_token_id", None), ("eos_token_id", 100257), ("pad_token_id", 100277))),
 }

@@ -84,3 +84,83 @@ def test_export_checkpoint_matches_export_of_the_store(tmp_path):
     from_step = export_checkpoint(tmp_path / "run" / "step_2", tmp_path / "from_step")
     from_run = export_checkpoint(tmp_path / "run", tmp_path / "from_run")  # the run's latest checkpoint
     assert _files(from_step) == _files(direct) == _files(from_run)
+
+
+# ---------------------------------------------------------------- issue #18 items 8 and 10
+def test_the_source_generation_config_is_carried_unchanged(tmp_path):
+    from transformers import GenerationConfig
+
+    store = filled_store(seed=1)
+    source = tmp_path / "instruct"
+    GenerationConfig(bos_token_id=0, eos_token_id=[1, 7], do_sample=True, temperature=0.6,
+                     top_p=0.9).save_pretrained(source)
+    carried = export_hf(store, tmp_path / "carried", source_dir=source)
+    assert (carried / "generation_config.json").read_bytes() == (source / "generation_config.json").read_bytes()
+    generation = GenerationConfig.from_pretrained(carried)
+    assert generation.eos_token_id == [1, 7] and generation.temperature == 0.6 and generation.do_sample
+
+    # No source (a preset), or a source without one: regenerated from the config, as before.
+    plain = export_hf(store, tmp_path / "plain")
+    (tmp_path / "bare").mkdir()
+    bare = export_hf(store, tmp_path / "bare_export", source_dir=tmp_path / "bare")
+    made = GenerationConfig.from_pretrained(plain)
+    assert made.eos_token_id == store.adapter.config.eos_token_id and not made.do_sample
+    assert (bare / "generation_config.json").read_bytes() == (plain / "generation_config.json").read_bytes()
+
+    # `megatrain export` of a checkpoint: the source's when given.
+    save_checkpoint(store, tmp_path / "run", 1, {}, tokenizer=tiny_tokenizer())
+    from_step = export_checkpoint(tmp_path / "run", tmp_path / "from_step", source_dir=source)
+    assert (from_step / "generation_config.json").read_bytes() == (source / "generation_config.json").read_bytes()
+
+
+def _family_config(model_type: str):
+    from transformers import AutoConfig
+
+    kw = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=64, max_position_embeddings=128, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)
+    if model_type in ("gemma2", "gemma3_text"):
+        kw["head_dim"] = 8
+    if model_type == "mixtral":
+        kw.update(num_local_experts=3, num_experts_per_tok=2)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+@pytest.mark.parametrize("model_type,layout", [("qwen2", "base model"), ("mixtral", "per expert"),
+                                               ("gemma2", "canonical"), ("gemma3_text", "canonical"),
+                                               ("phi3", "canonical"), ("olmo2", "canonical")])
+def test_a_converted_checkpoint_exports_names_from_pretrained_reads(tmp_path, model_type, layout):
+    """Load a checkpoint transformers converts (prefix-less base-model keys; Mixtral as save_pretrained
+    writes it, one tensor per expert), export, and from_pretrained reads every tensor, unconverted and
+    with nothing missing, and computes the source model's logits."""
+    from safetensors.torch import save_file
+
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.models.loader import build_store, load_hf_config
+
+    config = _family_config(model_type)
+    try:
+        ModelAdapter(config)
+    except ValueError as err:
+        pytest.skip(f"the adapter does not take {model_type}: {err}")
+    torch.manual_seed(0)
+    source = AutoModelForCausalLM.from_config(config).eval()
+    src = tmp_path / "source"
+    source.save_pretrained(src)
+    if layout == "base model":
+        (src / "model.safetensors").unlink()
+        state = {k.removeprefix("model."): v.contiguous() for k, v in source.state_dict().items()}
+        save_file(state, str(src / "model.safetensors"))
+    names_in_source = _tensor_names(src)
+    assert ("model.embed_tokens.weight" in names_in_source) == (layout != "base model")
+    assert any(".experts.0." in n for n in names_in_source) == (layout == "per expert")
+
+    store = build_store(load_hf_config(src), torch.float32, weights_path=src)
+    out = export_hf(store, tmp_path / "export", dtype=torch.float32, source_dir=src)
+    assert _tensor_names(out) == {n for n, _, _ in store.hf_items()}
+    model, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    ids = torch.randint(3, config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(input_ids=ids).logits, source(input_ids=ids).logits,
+                                   rtol=0, atol=1e-6)

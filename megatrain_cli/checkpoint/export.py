@@ -5,6 +5,16 @@ Same files as transformers' `save_pretrained`: `model.safetensors` when one shar
 a tensor larger than the limit gets a shard of its own), plus `config.json` with `dtype` set and
 `generation_config.json`. A tied lm_head is not written (it is not in the store; HF re-ties it).
 
+Tensor names are the model's own parameter names (the store's HF names), whatever names the loaded
+checkpoint used: those are what `from_pretrained` of the installed transformers reads with no conversion
+(its conversion rules leave them unchanged; tests/test_loader.py checks it per family). Where
+`save_pretrained` would write an older layout back (Mixtral's per-expert tensors), we keep the fused one,
+which from_pretrained reads as well; converting back would cost a copy per merged group for nothing.
+
+`generation_config.json` is the source model's own, copied byte for byte (`source_dir`): an instruct
+model's extra end-of-turn ids and sampling defaults live there and nowhere else (eval reads its stop ids
+from it). Only a model without one (a preset) gets it regenerated from the config.
+
 The shards are written with our own safetensors writer, tensor by tensor and in chunks: the cast
 to the export dtype costs at most one 64 MiB chunk of temporary memory, and an fp32 export no copy
 at all. Output is deterministic (byte-identical for the same weights) and atomic (temp dir, rename).
@@ -84,7 +94,21 @@ def _looks_like_hf_export(path: Path) -> bool:
     return (path / "config.json").is_file() and ((path / WEIGHTS_NAME).is_file() or (path / INDEX_NAME).is_file())
 
 
-def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int, write_tokenizer) -> Path:
+GENERATION_CONFIG = "generation_config.json"
+
+
+def _write_generation_config(config, tmp: Path, source_dir: Path | None) -> None:
+    """The source's generation_config.json unchanged (a file copy), else one made from the config."""
+    if source_dir is not None and (source_dir / GENERATION_CONFIG).is_file():
+        shutil.copyfile(source_dir / GENERATION_CONFIG, tmp / GENERATION_CONFIG)
+        return
+    from transformers import GenerationConfig
+
+    GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+
+
+def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes: int, write_tokenizer,
+            source_dir: Path | None = None) -> Path:
     if dtype not in DTYPE_CODES:
         raise ValueError(f"export dtype must be one of {list(DTYPE_CODES)}, got {dtype}")
     if out_dir.exists() and any(out_dir.iterdir()) and not _looks_like_hf_export(out_dir):
@@ -115,9 +139,7 @@ def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes
     config.dtype = dtype
     config.architectures = [store.adapter.architecture]
     config.save_pretrained(str(tmp))
-    from transformers import GenerationConfig
-
-    GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+    _write_generation_config(config, tmp, source_dir)
     write_tokenizer(tmp)
     _fsync_tree(tmp)
     publish_dir(tmp, out_dir)
@@ -125,20 +147,23 @@ def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes
 
 
 def export_hf(store: HostStore, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
-              max_shard_bytes: int = 5 * 2**30) -> Path:
-    """Write the store's masters to out_dir in Hugging Face format (cast to `dtype`)."""
+              max_shard_bytes: int = 5 * 2**30, source_dir: str | Path | None = None) -> Path:
+    """Write the store's masters to out_dir in Hugging Face format (cast to `dtype`). `source_dir`: the
+    model directory the run started from (model.path), whose generation_config.json is carried over."""
 
     def write_tokenizer(tmp: Path) -> None:
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
 
-    return _export(store, Path(out_dir), dtype, max_shard_bytes, write_tokenizer)
+    source = Path(source_dir) if source_dir is not None else None
+    return _export(store, Path(out_dir), dtype, max_shard_bytes, write_tokenizer, source)
 
 
 def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16,
-                      max_shard_bytes: int = 5 * 2**30) -> Path:
+                      max_shard_bytes: int = 5 * 2**30, source_dir: str | Path | None = None) -> Path:
     """`megatrain export CHECKPOINT OUT`: a step_N checkpoint (or a run's output_dir: its latest
-    checkpoint) to a Hugging Face directory, with the tokenizer files saved in the checkpoint."""
+    checkpoint) to a Hugging Face directory, with the tokenizer files saved in the checkpoint. The
+    generation config: `source_dir`'s, else one the checkpoint itself holds, else made from its config."""
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.models.loader import load_hf_config
 
@@ -158,10 +183,13 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
             for f in sorted((path / "tokenizer").iterdir()):
                 shutil.copyfile(f, tmp / f.name)
 
-    return _export(store, Path(out_dir), dtype, max_shard_bytes, copy_tokenizer)
+    holders = [Path(source_dir)] if source_dir is not None else []
+    source = next((d for d in holders + [path] if (d / GENERATION_CONFIG).is_file()), None)
+    return _export(store, Path(out_dir), dtype, max_shard_bytes, copy_tokenizer, source)
 
 
-def export_sharded(store, out_dir: str | Path, *, dtype: torch.dtype, tokenizer=None) -> Path | None:
+def export_sharded(store, out_dir: str | Path, *, dtype: torch.dtype, tokenizer=None,
+                   source_dir: str | Path | None = None) -> Path | None:
     """export_hf of a sharded store (a collective): the masters are gathered tile by tile into a whole
     host store on rank 0 (the model in fp32 on that rank's host, masters only touched), which rank 0
     exports. Returns the path on rank 0, None elsewhere."""
@@ -172,6 +200,7 @@ def export_sharded(store, out_dir: str | Path, *, dtype: torch.dtype, tokenizer=
         full = store.gather_tile(name)
         if whole is not None:
             whole.tiles[name].master.copy_(full)
-    path = export_hf(whole, out_dir, dtype=dtype, tokenizer=tokenizer) if whole is not None else None
+    path = (export_hf(whole, out_dir, dtype=dtype, tokenizer=tokenizer, source_dir=source_dir)
+            if whole is not None else None)
     dist.barrier(group=store.cpu_group)
     return path

@@ -1,6 +1,7 @@
 """Fill the host store: from a local HF directory (safetensors, tensor by tensor) or random init.
 
-Loading never holds a second full copy of the model: each tensor is read from its shard with
+Loading never holds a second full copy of the model: each tensor (or each group of tensors that
+transformers' conversion rules merge into one parameter, models/convert.py) is read from its shard with
 `safe_open`, cast into its fp32 master slot, and dropped before the next one is read.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -47,38 +49,74 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_weights(store: HostStore, path: str | Path) -> None:
-    """Copy every tensor of the checkpoint into its master slot; refuse missing or unexpected names."""
+    """Copy the checkpoint into the master slots, through transformers' own conversion rules
+    (models/convert.py: renamed and legacy keys, a base model's prefix, merged or split tensors), one
+    tensor group at a time. Unknown and missing tensors are refused, by name, before any is read; a wrong
+    shape before it is copied.
+
+    Costs: a meta-device model of the config, every shard's header, and one group of tensors in memory
+    at a time (one tensor, or one merge's sources); the shards are memory-mapped by safetensors.
+    """
     from safetensors import safe_open
+
+    from megatrain_cli.models.convert import CheckpointRules, ConversionError
 
     path = Path(path)
     targets = {hf: (tname, slot) for hf, tname, slot in store.hf_items()}
-    seen: set[str] = set()
-    unexpected: list[str] = []
-    for file in safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                if key not in targets:
-                    if key == "lm_head.weight" and store.adapter.tied:
-                        continue  # some tied checkpoints still carry a copy
-                    if key.endswith("rotary_emb.inv_freq"):
-                        continue
-                    unexpected.append(key)
+    rules = CheckpointRules(store.adapter.config)
+    with ExitStack() as stack:
+        where: dict[str, tuple[str, object]] = {}
+        for file in safetensors_files(path):
+            handle = stack.enter_context(safe_open(str(file), framework="pt"))
+            where.update({key: (file.name, handle) for key in handle.keys()})
+        try:
+            plan = rules.plan(where)
+        except ConversionError as err:
+            raise ModelLoadError(f"checkpoint in {path}: {err}") from None
+        # Refuse before reading a byte: names no slot takes (a tied copy excepted: HF re-ties it), slots
+        # nothing fills.
+        made = plan.produces()
+        unexpected = plan.unexpected + sorted(made - set(targets) - rules.aliases)
+        missing = sorted(set(targets) - made)
+        if missing or unexpected:
+            raise _mismatch(path, store, missing, unexpected)
+        unexpected = []
+        seen: set[str] = set()
+        for group in plan.groups:
+            try:
+                tensors = rules.realize(group, lambda key: where[key][1].get_tensor(key))
+            except ConversionError as err:
+                raise ModelLoadError(f"checkpoint in {path}: {err}") from None
+            for name, tensor in tensors.items():
+                if name not in targets:
+                    if name not in rules.aliases:  # a tied copy is dropped: HF re-ties it
+                        unexpected.append(f"{name} (made from {group.describe()})")
                     continue
-                tname, slot = targets[key]
-                tensor = f.get_tensor(key)
+                tname, slot = targets[name]
                 if tuple(tensor.shape) != slot.shape:
-                    raise ModelLoadError(f"{file.name}: {key} has shape {tuple(tensor.shape)}, "
+                    source = where[group.sources[0][0]][0]
+                    raise ModelLoadError(f"{source}: {group.describe()} has shape {tuple(tensor.shape)}, "
                                          f"the config implies {slot.shape}")
                 store.write_master(tname, slot, tensor)
-                seen.add(key)
-                del tensor
+                seen.add(name)
+            del tensors
     missing = sorted(set(targets) - seen)
     if missing or unexpected:
-        raise ModelLoadError(f"checkpoint in {path} does not match its config: missing {missing[:5]}"
-                             f"{'...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}")
+        raise _mismatch(path, store, missing, unexpected)
 
 
-def random_init_tile(tile, std: float, seed: int, index: int) -> None:
+def _mismatch(path: Path, store, missing: list[str], unexpected: list[str]) -> ModelLoadError:
+    def listed(names: list[str]) -> str:
+        return ", ".join(names[:8]) + (f", ... ({len(names)} in all)" if len(names) > 8 else "")
+
+    parts = ([f"unexpected tensors (no parameter of the model takes them): {listed(unexpected)}"] if unexpected
+             else []) + ([f"missing tensors: {listed(missing)}"] if missing else [])
+    kind = getattr(store.adapter.config, "model_type", "?")
+    return ModelLoadError(f"checkpoint in {path} does not match its config (model type {kind!r}): "
+                          + "; ".join(parts))
+
+
+def random_init_tile(tile, std: float, seed: int, index: int, norm_value: float = 1.0) -> None:
     """One whole tile's masters as random_init draws them (tile `index` in store order)."""
     gen = torch.Generator().manual_seed(seed * 100_003 + index)
     for slot in tile.layout.slots:
@@ -86,7 +124,7 @@ def random_init_tile(tile, std: float, seed: int, index: int) -> None:
         if len(slot.shape) >= 2:
             view.normal_(0.0, std, generator=gen)
         elif "norm" in slot.name:
-            view.fill_(1.0)
+            view.fill_(norm_value)  # 1, or 0 for Gemma's (1 + weight) norms: what HF's own init gives
         else:
             view.zero_()
 
@@ -97,11 +135,11 @@ def random_init(store: HostStore, seed: int = 0, threads: int | None = None) -> 
     Each tile gets its own generator seeded from (seed, tile index), so the result does not depend
     on the thread count; tiles are filled in parallel (torch releases the GIL in normal_).
     """
-    std = store.adapter.init_std()
+    std, norm_value = store.adapter.init_std(), store.adapter.norm_init_value()
     names = list(store.tiles)
 
     def fill(i: int) -> None:
-        random_init_tile(store.tiles[names[i]], std, seed, i)
+        random_init_tile(store.tiles[names[i]], std, seed, i, norm_value)
 
     threads = threads or min(len(names), os.cpu_count() or 1)
     if threads <= 1:
@@ -140,7 +178,7 @@ def build_sharded_store(config, compute_dtype: torch.dtype, rank: int, world: in
     else:
         for i, (name, layout) in enumerate(store.layouts.items()):  # one whole tile at a time
             whole = allocate_tile(name, layout, compute_dtype)
-            random_init_tile(whole, store.adapter.init_std(), seed, i)
+            random_init_tile(whole, store.adapter.init_std(), seed, i, store.adapter.norm_init_value())
             spec = store.shards[name]
             store.tiles[name].master[:spec.valid].copy_(whole.master[spec.start:spec.start + spec.valid])
             del whole
