@@ -4,30 +4,60 @@ from __future__ import annotations
 
 import torch
 
-from megatrain_cli.batch import IGNORE_INDEX, MicroBatch, block_causal_mask
+from megatrain_cli.batch import IGNORE_INDEX, MicroBatch
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.tiles import HostStore
 
 
+ARCH_TYPES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+              "Qwen3ForCausalLM": "qwen3"}
+
+# Per family, what a tiny config needs besides the common shape to exercise what makes the family itself.
+FAMILY_EXTRAS = {
+    "llama": {"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                  "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64}},
+    "qwen2": {},
+    "qwen3": {"head_dim": 8},
+    "mistral": {"head_dim": 8, "sliding_window": 6},  # a window shorter than the test rows
+    "gemma2": {"head_dim": 8, "sliding_window": 6, "query_pre_attn_scalar": 8, "final_logit_softcapping": 3.0,
+               "attn_logit_softcapping": 5.0, "hidden_activation": "gelu_pytorch_tanh"},
+    "gemma3_text": {"head_dim": 8, "sliding_window": 6, "query_pre_attn_scalar": 8, "final_logit_softcapping": 3.0,
+                    "layer_types": ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+                    "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
+    "phi3": {"pad_token_id": 5, "bos_token_id": 1, "eos_token_id": 2},
+    "olmo2": {"pad_token_id": 5, "bos_token_id": 1, "eos_token_id": 2},
+}
+
+
 def tiny_config(arch: str = "Qwen2ForCausalLM", *, layers: int = 3, tied: bool = False, vocab: int = 97,
-                hidden: int = 32, heads: int = 4, kv_heads: int = 2, inter: int = 48):
+                hidden: int = 32, heads: int = 4, kv_heads: int = 2, inter: int = 48, **extra):
+    """A tiny config of `arch`: an architecture class name (the config's defaults, as test_parity.py has
+    always used them) or a model_type (with FAMILY_EXTRAS: the family's own features switched on)."""
     from transformers import AutoConfig
 
-    model_type = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                  "Qwen3ForCausalLM": "qwen3"}[arch]
-    extra = {"head_dim": hidden // heads} if model_type in ("qwen3", "mistral") else {}
+    model_type = ARCH_TYPES.get(arch, arch)
+    kwargs = {"head_dim": hidden // heads} if model_type in ("qwen3", "mistral") else {}
+    if arch not in ARCH_TYPES:
+        kwargs = dict(FAMILY_EXTRAS.get(model_type, {}))
+    if "layer_types" in kwargs:
+        kwargs["layer_types"] = (kwargs["layer_types"] * layers)[:layers]
+    kwargs.update(extra)
+    if arch in ARCH_TYPES:
+        kwargs.setdefault("architectures", [arch])
     return AutoConfig.for_model(model_type, hidden_size=hidden, num_hidden_layers=layers,
                                 num_attention_heads=heads, num_key_value_heads=kv_heads,
                                 intermediate_size=inter, vocab_size=vocab, tie_word_embeddings=tied,
-                                max_position_embeddings=256, architectures=[arch], **extra)
+                                max_position_embeddings=256, **kwargs)
 
 
 def reference_model(store: HostStore, config, dtype=torch.float32, device="cpu"):
     """An HF model holding exactly the store's current master weights."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # HF's own attention choice
     missing, unexpected = model.load_state_dict(store.hf_state_dict(), strict=False)
     assert not unexpected, unexpected
     assert all(k == "lm_head.weight" for k in missing), missing  # tied head comes from the embedding
@@ -55,10 +85,9 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
         losses = []
         for mb in mbs:
             kw = {}
-            if mb.position_ids is not None:  # packed rows: the plain model gets the block-causal 4D mask
-                pos = mb.position_ids.to(dev)
-                kw = {"position_ids": pos, "attention_mask": block_causal_mask(pos)}
-            logits = model(input_ids=mb.input_ids.to(dev), **kw).logits.float()
+            if mb.position_ids is not None:  # packed rows: HF detects the documents from the positions
+                kw = {"position_ids": mb.position_ids.to(dev)}  # (only without a KV cache: use_cache=False)
+            logits = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw).logits.float()
             lab = mb.labels[:, 1:].to(dev)
             loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                          lab.reshape(-1), ignore_index=IGNORE_INDEX,

@@ -40,7 +40,8 @@ def run_head(engine, h, labels, norm_scale, sq_norm):
         if engine.fused_ce is not None:
             d_normed, loss_sum = fused_loss(engine.fused_ce, flat_n, flat_l, lm_w, lm_grad, norm_scale, engine.chunk)
         else:
-            d_normed, loss_sum = chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale, engine.chunk)
+            d_normed, loss_sum = chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale, engine.chunk,
+                                              engine.adapter.logit_softcap)
         n_tok = int((flat_l != IGNORE_INDEX).sum())
         out = torch.autograd.grad(normed, [x, *norm_w.values()], d_normed.view_as(normed))
         grads_out.append(out[0])

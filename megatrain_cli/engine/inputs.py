@@ -1,4 +1,4 @@
-"""A step's inputs on the device: embedding rows, rotary tables, masks and shifted labels per micro-batch.
+"""A step's inputs on the device: embedding rows, every layer's call arguments and shifted labels per micro-batch.
 
 Only the step's unique token rows cross PCIe (gathered from the fp32 master on the host and cast on the
 way; on the data-parallel path each rank reads the rows it owns), never the whole embedding table; the
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_cli.batch import IGNORE_INDEX, MAX_LONG_CONTEXT_MASK, MicroBatch, block_causal_mask
+from megatrain_cli.batch import IGNORE_INDEX, MAX_LONG_CONTEXT_MASK, MicroBatch
 
 
 @dataclass
@@ -20,50 +20,83 @@ class StepInputs:
     ids: torch.Tensor  # every input id of the step, flat (host)
     uniq: torch.Tensor  # the step's unique ids, sorted (host)
     inverse: torch.Tensor  # ids -> index into uniq (device)
-    h: list  # per micro-batch hidden states [B, T, H] (device)
-    ctx: list  # per micro-batch (rotary cos/sin, block-causal mask or None, position ids)
+    h: list  # per micro-batch layer-0 inputs [B, T, H] (device, detached)
+    calls: list  # per micro-batch LayerCall: every layer's keyword arguments
+    transforms: list  # per micro-batch (embedding output, layer-0 input) when HF's decoder code transformed
+    #                   one into the other (a multiplier in the decoder's forward: see layer_inputs.py), else None
     labels: list  # per micro-batch labels shifted by one, IGNORE_INDEX at the end of each row
     offsets: list  # per micro-batch (start, end) into the flat ids
     loss_tokens: int  # tokens that carry loss, over every rank's micro-batches
 
 
-def check_mask_size(pos: torch.Tensor) -> None:
-    """The long-context path refuses packed rows whose [T, T] block-causal mask would pass
-    MAX_LONG_CONTEXT_MASK (it would also keep SDPA off flash/cuDNN); one host sync on the positions."""
+def check_mask_size(pos: torch.Tensor, window: int | None) -> None:
+    """The long-context path refuses rows whose dense [T, T] mask would pass MAX_LONG_CONTEXT_MASK (it would
+    also keep SDPA off flash/cuDNN): packed rows (positions restart inside a row) or a sliding window
+    shorter than the row. One host sync on the positions."""
     b, t = pos.shape
-    if b * t * t > MAX_LONG_CONTEXT_MASK and bool((pos[:, 1:] == 0).any()):
+    if b * t * t <= MAX_LONG_CONTEXT_MASK:
+        return
+    if window is not None and window < t:
+        raise ValueError(f"the model's sliding window ({window} tokens) is shorter than train.seq_len ({t}): its "
+                         f"dense [T, T] mask ({b * t * t / 2**30:.0f} GiB) is too large at long context; use "
+                         f"train.seq_len <= {int((MAX_LONG_CONTEXT_MASK // b) ** 0.5)}")
+    if bool((pos[:, 1:] == 0).any()):
         raise ValueError(f"packed rows (positions restart inside a row) of {t} tokens need a [T, T] block-causal "
                          f"mask ({b * t * t / 2**30:.0f} GiB) and keep SDPA off flash/cuDNN: at long context "
                          f"train one document per row (data.packing=false)")
 
 
-def step_inputs(mbs: list[MicroBatch], store, streamer, rotary, device: torch.device, dtype: torch.dtype, dist=None,
-                check_mask: bool = False) -> StepInputs:
-    """`check_mask`: refuse packed rows too long for their mask (check_mask_size), on the long-context path."""
-    H = store.adapter.hidden_size
+def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: torch.device, dtype: torch.dtype,
+                dist=None, check_mask: bool = False) -> StepInputs:
+    """`layer_inputs`: the adapter's LayerInputs on this device. `check_mask`: refuse rows too long for a
+    dense mask (check_mask_size), on the long-context path."""
+    adapter = store.adapter
+    H = adapter.hidden_size
     ids_all = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
     uniq, inverse = torch.unique(ids_all, return_inverse=True)
     if dist is None:
         rows = store.tiles["embed"].master.view(-1, H)[uniq].to(device, dtype)
     else:
         rows = streamer.embed_rows(uniq)  # the rows live on their owner ranks
+    if adapter.input_scale is not None:  # the embedding module's scale, in the weights' dtype as HF does
+        rows = rows * embed_scale(adapter, dtype)
     inv_dev = inverse.to(device)
-    h, ctx, labels, offsets = [], [], [], []
+    h, calls, transforms, labels, offsets = [], [], [], [], []
     n_loss_tokens, start = 0, 0
     for mb in mbs:
         b, t = mb.input_ids.shape
         offsets.append((start, start + b * t))
-        h.append(rows[inv_dev[start:start + b * t]].view(b, t, H))
+        e = rows[inv_dev[start:start + b * t]].view(b, t, H).requires_grad_()
         start += b * t
         pos = mb.position_ids if mb.position_ids is not None else torch.arange(t).expand(b, t)
         pos = pos.to(device)
         if check_mask:
-            check_mask_size(pos)
-        ctx.append((rotary(h[-1], pos), block_causal_mask(pos), pos))
+            check_mask_size(pos, adapter.sliding_window)
+        with torch.enable_grad():
+            call = layer_inputs(e, pos)
+        transforms.append(None if call.hidden is e else (e, call.hidden))
+        h.append(call.hidden.detach())
+        call.hidden = None  # held by h (and transforms) only: the long-context offloader may move it out
+        calls.append(call)
         shifted = torch.full_like(mb.labels, IGNORE_INDEX)
         shifted[:, :-1] = mb.labels[:, 1:]
         labels.append(shifted.to(device))
         n_loss_tokens += int((shifted != IGNORE_INDEX).sum())
     if dist is not None:  # every rank scales by the global batch's loss tokens
         n_loss_tokens = int(dist.sum_scalars([n_loss_tokens])[0])
-    return StepInputs(ids_all, uniq, inv_dev, h, ctx, labels, offsets, n_loss_tokens)
+    return StepInputs(ids_all, uniq, inv_dev, h, calls, transforms, labels, offsets, n_loss_tokens)
+
+
+def embed_scale(adapter, dtype: torch.dtype) -> float:
+    """The embedding module's scale rounded to the compute dtype (Gemma casts it to the weights' dtype)."""
+    return float(torch.tensor(adapter.input_scale, dtype=torch.float32).to(dtype))
+
+
+def embed_output_grad(transform, grad: torch.Tensor) -> torch.Tensor:
+    """d loss / d embedding output, from d loss / d layer-0 input: through HF's decoder code when it
+    transformed the embeddings (autograd over its few elementwise ops), else the same tensor."""
+    if transform is None:
+        return grad
+    embeds, hidden = transform
+    (out,) = torch.autograd.grad(hidden, embeds, grad)
+    return out

@@ -91,7 +91,7 @@ def fused_cross_entropy() -> Callable:
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
 def _is_plain_rmsnorm(module: nn.Module) -> bool:
-    return type(module).__name__ in lean_layers._PLAIN_RMSNORMS and hasattr(module, "variance_epsilon")
+    return lean_layers.is_plain_rmsnorm(module)
 
 
 def _is_lean(module: nn.Module) -> bool:
@@ -148,6 +148,15 @@ def _rope_module(attn: nn.Module):
         return None
     module = sys.modules.get(forward.__module__)
     if module is None or forward.__globals__ is not vars(module) or not callable(getattr(module, _ROPE_NAME, None)):
+        return None
+    from transformers.models.llama import modeling_llama
+
+    # The kernel is Llama's full-width rotate-half RoPE: a family whose function differs (Phi-3's partial
+    # rotary, OLMo 2's casts, an interleaved layout) keeps its own.
+    def unwrapped(f):  # past our own dispatcher, if one is installed there already
+        return getattr(f, "megatrain_original", f)
+
+    if not lean_layers.same_code(unwrapped(getattr(module, _ROPE_NAME)), unwrapped(modeling_llama.apply_rotary_pos_emb)):
         return None
     return module
 

@@ -152,8 +152,19 @@ def mlp_chunk_tokens(layer: nn.Module) -> int | None:
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
-# The decoder-layer norms of the supported architectures: weight * normalise(x), no (1 + weight).
-_PLAIN_RMSNORMS = ("Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")
+def same_code(func, reference) -> bool:
+    """Whether two functions compile to the same code (HF's "Copied from" families share a function's
+    body under their own names): what lets a replacement written for one stand in for the other."""
+    a, b = getattr(func, "__code__", None), getattr(reference, "__code__", None)
+    return a is not None and b is not None and (a.co_code, a.co_names) == (b.co_code, b.co_names)
+
+
+def is_plain_rmsnorm(module: nn.Module) -> bool:
+    """An RMSNorm computing exactly Llama's weight * normalise(x) (not Gemma's 1 + weight, not OLMo 2's
+    multiply-then-cast): the norms the lean norm and the Triton kernel may replace."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    return hasattr(module, "variance_epsilon") and same_code(type(module).forward, LlamaRMSNorm.forward)
 
 
 # fp32 temporaries of the lean norm are made this many rows at a time: 16384 x 3584 x 4 B = 235 MB.
@@ -211,7 +222,7 @@ def slim_norms(layer: nn.Module) -> int:
     input and 4 bytes per row instead of an fp32 copy + a normalised copy; returns how many."""
     count = 0
     for module in layer.modules():
-        if type(module).__name__ in _PLAIN_RMSNORMS and hasattr(module, "variance_epsilon"):
+        if is_plain_rmsnorm(module):
             module.forward = types.MethodType(_lean_norm_forward, module)
             count += 1
     return count
@@ -219,7 +230,7 @@ def slim_norms(layer: nn.Module) -> int:
 
 def unslim_norms(layer: nn.Module) -> None:
     for module in layer.modules():
-        if type(module).__name__ in _PLAIN_RMSNORMS and "forward" in module.__dict__:
+        if is_plain_rmsnorm(module) and "forward" in module.__dict__:
             del module.forward
 
 

@@ -13,9 +13,11 @@ import torch
 from megatrain_cli.batch import IGNORE_INDEX
 
 
-def chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int) -> tuple[torch.Tensor, float]:
+def chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int,
+                 softcap: float | None = None) -> tuple[torch.Tensor, float]:
     """The PyTorch head loss: per token chunk a matmul, cross-entropy on fp32 logits and autograd;
-    adds the LM-head gradient to lm_grad; returns (d loss*norm_scale / d flat_n, unscaled loss sum)."""
+    adds the LM-head gradient to lm_grad; returns (d loss*norm_scale / d flat_n, unscaled loss sum).
+    `softcap`: cap * tanh(logits / cap) before the loss (Gemma 2/3), on the fp32 logits."""
     d_normed = torch.zeros_like(flat_n)
     loss_sum = 0.0
     for lo in range(0, flat_n.shape[0], chunk):
@@ -25,8 +27,10 @@ def chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int) -
         n_c = flat_n[lo:hi].detach().requires_grad_()
         w_c = lm_w.detach().requires_grad_()
         with torch.enable_grad():
-            logits = n_c @ w_c.t()
-            l_sum = torch.nn.functional.cross_entropy(logits.float(), flat_l[lo:hi],
+            logits = (n_c @ w_c.t()).float()
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+            l_sum = torch.nn.functional.cross_entropy(logits, flat_l[lo:hi],
                                                       ignore_index=IGNORE_INDEX, reduction="sum")
         gn, gw = torch.autograd.grad(l_sum * norm_scale, [n_c, w_c])
         d_normed[lo:hi] = gn

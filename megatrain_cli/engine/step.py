@@ -15,7 +15,7 @@ import torch
 
 from megatrain_cli.batch import MicroBatch, StepResult
 from megatrain_cli.engine import kernel_patch
-from megatrain_cli.engine.inputs import step_inputs
+from megatrain_cli.engine.inputs import embed_output_grad, embed_scale, step_inputs
 from megatrain_cli.engine.head import run_head
 from megatrain_cli.engine.plan.lean import LeanPlan
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
@@ -80,7 +80,7 @@ class Engine:
         self.chunk = loss_chunk_tokens
         self.templates = TemplatePool(self.adapter)
         self.norm_template = self.adapter.make_norm_template()
-        self.rotary = self.adapter.make_rotary(device)
+        self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
         self.optimizer = HostAdamW(train, kernel=host_adamw, defer_moments=defer_moments)
         self.worker = None
         self.update_on_read = False
@@ -119,7 +119,8 @@ class Engine:
         if self.kernels == "triton":  # after the long-context pieces: see kernel_patch's precedence
             for template in (*self.templates.all(), self.norm_template):
                 kernel_patch.install_kernels(template)
-            self._fused_ce = kernel_patch.fused_cross_entropy()
+            if self.adapter.logit_softcap is None:  # the fused kernel has no softcap: Gemma's head runs chunked
+                self._fused_ce = kernel_patch.fused_cross_entropy()
 
     def _install_long_context(self, plan: LeanPlan) -> None:
         if plan.mlp_chunk_tokens:
@@ -162,10 +163,9 @@ class Engine:
             views = {k: v.detach().requires_grad_() for k, v in views.items()}
         return views
 
-    def _layer(self, i: int, weights, h, ctx):
-        pos_emb, mask, pos = ctx
-        return run_bound(self.templates.next_for(i), weights, h, attention_mask=mask, position_ids=pos,
-                         position_embeddings=pos_emb)
+    def _layer(self, i: int, weights, h, call):
+        """Layer i on one micro-batch, with the arguments HF's decoder loop gives it (models/layer_inputs.py)."""
+        return run_bound(self.templates.next_for(i), weights, h, **call.kwargs[i])
 
     # ------------------------------------------------------------ the step
     def step(self, micro_batches: list[MicroBatch], lr: float) -> StepResult:
@@ -238,9 +238,9 @@ class Engine:
             self.streamer.idle_while(lambda: self.worker.wait("embed"))
         if self.dist is not None:
             self.sink.reset()
-        x = step_inputs(mbs, self.store, self.streamer, self.rotary, dev, self.dtype, self.dist,
+        x = step_inputs(mbs, self.store, self.streamer, self.layer_inputs, dev, self.dtype, self.dist,
                         check_mask=self.long_context is not None)
-        ids_all, uniq, inv_dev, h, ctx, labels, offsets = x.ids, x.uniq, x.inverse, x.h, x.ctx, x.labels, x.offsets
+        ids_all, uniq, inv_dev, h, ctx, labels, offsets = x.ids, x.uniq, x.inverse, x.h, x.calls, x.labels, x.offsets
         n_loss_tokens = x.loss_tokens
         norm_scale = 1.0 / max(1, n_loss_tokens)
         sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
@@ -298,6 +298,7 @@ class Engine:
                         flat = self.streamer.acquire(op.tile)
                         grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
                     elif op.kind == "embed_backward":
+                        grads_out = [embed_output_grad(tr, g) for tr, g in zip(x.transforms, grads_out)]
                         self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
                     if self.on_op is not None:
                         self.on_op(op)  # its host work is issued
@@ -361,6 +362,11 @@ class Engine:
         rows = torch.zeros(uniq.numel(), H, dtype=torch.float32, device=self.device)
         for g, (lo, hi) in zip(grads_out, offsets):
             rows.index_add_(0, inv_dev[lo:hi], g.reshape(-1, H).float())
+        if self.adapter.input_scale is not None:  # the embedding module's scale (Gemma)
+            rows.mul_(embed_scale(self.adapter, self.dtype))
+        pad = self.adapter.padding_idx
+        if pad is not None:  # nn.Embedding(padding_idx=...): that row gets no input-side gradient, as in HF
+            rows.masked_fill_((uniq.to(self.device) == pad).unsqueeze(1), 0.0)  # no host sync
         if tied_flat is not None:
             tied_grad = tied_flat[:self.adapter.vocab_size * H].view(self.adapter.vocab_size, H)
             tied_grad.index_add_(0, uniq.to(self.device), rows)

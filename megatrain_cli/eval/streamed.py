@@ -84,13 +84,12 @@ def attention_mask(key_mask: torch.Tensor, q_start: int, q_len: int, window: int
 
 def sliding_window(adapter, layer: int) -> int | None:
     """The attention window of a layer, as HF masks it: layers typed 'sliding_attention', and every
-    layer of Mistral (which has no layer types and windows all layers when `sliding_window` is set)."""
-    window = getattr(adapter.config, "sliding_window", None)
-    if window is None:
+    layer of a config without layer types that sets `sliding_window` (Mistral)."""
+    if adapter.sliding_window is None:
         return None
-    if adapter.layer_types[layer] == "sliding_attention" or adapter.architecture == "MistralForCausalLM":
-        return int(window)
-    return None
+    if getattr(adapter.config, "layer_types", None) and "sliding" not in adapter.layer_types[layer]:
+        return None
+    return adapter.sliding_window
 
 
 class StreamedModel:
@@ -111,6 +110,8 @@ class StreamedModel:
         params = inspect.signature(type(self.templates[0]).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self.rotary = self.adapter.make_rotary(device)
+        # Gemma 3's one rotary module holds a table per layer type (two RoPE bases): asked per type.
+        self.rotary_per_type = "layer_type" in inspect.signature(type(self.rotary).forward).parameters
         self.norm_template = self.adapter.make_norm_template().eval()
         self.embedding = store.tiles["embed"].master.view(self.adapter.vocab_size, self.adapter.hidden_size)
         head = store.layouts["head"].views(store.tiles["head"].master)
@@ -158,13 +159,20 @@ class StreamedModel:
         return sequences[:, width:].cpu()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        # Gathering fp32 rows and then casting gives the values an embedding held in the compute dtype would.
-        return self.embedding[ids.cpu()].to(self.dtype).to(self.device)
+        # Gathering fp32 rows and then casting gives the values an embedding held in the compute dtype would;
+        # a scaled embedding (Gemma) multiplies by its scale in that dtype, as HF's module does.
+        rows = self.embedding[ids.cpu()].to(self.dtype).to(self.device)
+        if self.adapter.input_scale is not None:
+            rows = rows * torch.tensor(self.adapter.input_scale, dtype=self.dtype)
+        return rows
 
     def _layers(self, hidden, positions, key_mask, q_start, padded, caches, *, prefetch_next_step: bool):
         q_len = hidden.shape[1]
         masks = {w: attention_mask(key_mask, q_start, q_len, w, padded) for w in set(self.windows)}
-        rotary = self.rotary(hidden, positions)
+        if self.rotary_per_type:
+            rotary = {t: self.rotary(hidden, positions, t) for t in set(self.adapter.layer_types)}
+        else:
+            rotary = dict.fromkeys(set(self.adapter.layer_types), self.rotary(hidden, positions))
         last = self.num_layers - 1
         for i in range(self.num_layers):
             weights = self.feed.get(i)
@@ -173,7 +181,8 @@ class StreamedModel:
             elif prefetch_next_step:
                 self.feed.prefetch(0)  # the next step's first layer streams during the head and the stop check
             hidden = run_bound(self.templates[i], weights, hidden, attention_mask=masks[self.windows[i]],
-                               position_ids=positions, position_embeddings=rotary, **{self.cache_arg: caches[i]})
+                               position_ids=positions, position_embeddings=rotary[self.adapter.layer_types[i]],
+                               **{self.cache_arg: caches[i]})
             self.feed.release()
         self.steps += 1
         return hidden

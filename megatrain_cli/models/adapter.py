@@ -1,60 +1,121 @@
-"""What is model-specific, and only that: how an HF causal LM splits into embedding, decoder layers,
-final norm and LM head, and how to build weightless templates of each piece.
+"""What is model-specific, and only that: how an HF causal LM splits into embedding, decoder layers, final
+norm and LM head, found through HF's own API on a meta-device model, and weightless templates of each.
 
 The engine never owns a model: it asks this adapter for meta-device modules (the computation, no
-weights) and drives them with `torch.func.functional_call`, binding views of the streamed device
-buffer into their parameter slots.
+weights) and drives them with `torch.func.functional_call`, binding views of the streamed device buffer
+into their parameter slots. Parameter lists and checkpoint names come from the meta modules themselves
+(biases, fused projections and extra norms come for free); the parts are found with
+`get_input_embeddings`, `get_output_embeddings` and `get_decoder`, and the decoder's one ModuleList of
+`num_hidden_layers` layers. Which families are verified is models/families.py's business.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 from torch import nn
 
+from megatrain_cli.models import families
+from megatrain_cli.models.families import UnsupportedModel
 from megatrain_cli.store.tiles import ParamSpec
 
-# Architectures whose decoder layers follow the same contract: layer(hidden, attention_mask=,
-# position_ids=, position_embeddings=(cos, sin)) -> hidden; model.model.{embed_tokens, layers, norm,
-# rotary_emb}; lm_head.
-SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen3ForCausalLM")
+UnsupportedArchitecture = UnsupportedModel  # the name older callers catch
 
 
-class UnsupportedArchitecture(ValueError):
-    pass
+def _child_name(parent: nn.Module, child: nn.Module) -> str | None:
+    return next((n for n, m in parent.named_children() if m is child), None)
 
 
-def check_architecture(config: Any) -> str:
-    archs = list(getattr(config, "architectures", None) or [])
-    arch = archs[0] if archs else f"(model_type={getattr(config, 'model_type', '?')})"
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"architecture {arch} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    return arch
+def _path_of(root: nn.Module, target: nn.Module) -> str | None:
+    return next((n for n, m in root.named_modules() if m is target), None)
 
 
 class ModelAdapter:
-    """Splits one HF causal-LM config into pieces the engine can stream."""
+    """Splits one HF decoder-only causal-LM config into pieces the engine can stream."""
 
     def __init__(self, config: Any):
-        self.architecture = check_architecture(config)
-        config._attn_implementation = "sdpa"
+        from transformers import AutoModelForCausalLM
+
         self.config = config
+        self.model_type = families.model_type(config)
         self.num_layers = int(config.num_hidden_layers)
         self.hidden_size = int(config.hidden_size)
         self.vocab_size = int(config.vocab_size)
-        self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        from transformers import AutoModelForCausalLM
-
-        with torch.device("meta"):
-            # Meta tensors: this costs no memory, even for a 72B config.
-            self._meta = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        inner = self._meta.model
-        self._layers = inner.layers
-        self._norm = inner.norm
-        self._rotary_cls = type(inner.rotary_emb)
+        try:
+            with torch.device("meta"):
+                # Meta tensors: this costs no memory, even for a 72B config. HF picks the attention code
+                # (SDPA where the family supports it; eager for Gemma 2's attention softcap).
+                self._meta = AutoModelForCausalLM.from_config(config)
+        except ValueError as err:  # transformers: "Unrecognized configuration class ... for AutoModelForCausalLM"
+            raise UnsupportedModel(f"model type {self.model_type!r} is not a causal language model transformers "
+                                   f"knows ({str(err).splitlines()[0]})") from None
+        self.architecture = type(self._meta).__name__
+        self._find_parts()
+        self.tied = self._head is not None and self._head.weight is self._embed.weight
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.input_scale = self._embedding_scale()
+        self.logit_softcap = families.logit_softcap(config)
+        self.padding_idx = getattr(self._embed, "padding_idx", None)
+        # A window shorter than the sequence needs a dense mask: Mistral's config applies it to every layer,
+        # layer_types-style configs to their sliding layers only.
+        window = getattr(config, "sliding_window", None)
+        typed = getattr(config, "layer_types", None)
+        has_sliding = any("sliding" in t for t in typed) if typed else window is not None
+        self.sliding_window = int(window) if window and has_sliding else None
+
+    def _find_parts(self) -> None:
+        meta = self._meta
+        self._embed = meta.get_input_embeddings()
+        self._head = meta.get_output_embeddings()
+        decoder = meta.get_decoder() if hasattr(meta, "get_decoder") else None
+        where = f"{self.architecture} (model type {self.model_type!r})"
+        if not isinstance(self._embed, nn.Embedding) or decoder is None:
+            raise UnsupportedModel(f"{where}: no token embedding / decoder found: not a decoder-only LM")
+        if not isinstance(self._head, nn.Linear) or self._head.bias is not None:
+            raise UnsupportedModel(f"{where}: the LM head is not a bias-free linear layer")
+        lists = [(n, m) for n, m in decoder.named_children()
+                 if isinstance(m, nn.ModuleList) and len(m) == self.num_layers]
+        if len(lists) != 1:
+            raise UnsupportedModel(f"{where}: expected one list of {self.num_layers} decoder layers in "
+                                   f"{type(decoder).__name__}, found {[n for n, _ in lists]}")
+        self._layers_attr, self._layers = lists[0]
+        embed_attr = _child_name(decoder, self._embed)
+        rotary = [(n, m) for n, m in decoder.named_children() if "rotary" in type(m).__name__.lower()]
+        self._rotary_attr = rotary[0][0] if rotary else None
+        rest = [(n, m) for n, m in decoder.named_children()
+                if n not in (self._layers_attr, embed_attr, self._rotary_attr) and any(True for _ in m.parameters())]
+        if embed_attr is None or len(rest) != 1:
+            raise UnsupportedModel(f"{where}: expected the decoder to hold an embedding, its layers and one final "
+                                   f"norm; besides them it holds {[n for n, _ in rest]}")
+        self._norm_attr, self._norm = rest[0]
+        if any(True for _ in self._norm.parameters()) and any(p.dim() != 1 for p in self._norm.parameters()):
+            raise UnsupportedModel(f"{where}: the decoder's {self._norm_attr!r} is not a norm")
+        self._decoder = decoder
+        self._embed_path = _path_of(meta, self._embed)
+        self._norm_path = _path_of(meta, self._norm)
+        self._head_path = _path_of(meta, self._head) if not self._head.weight is self._embed.weight else None
+        self._layers_path = _path_of(meta, self._layers)
+        extra = {n for n, _ in meta.named_parameters()} - {
+            n for n, _ in meta.named_parameters()
+            if n.startswith((self._embed_path + ".", self._layers_path + ".", self._norm_path + "."))
+            or (self._head_path is not None and n.startswith(self._head_path + "."))}
+        if extra:
+            raise UnsupportedModel(f"{where}: parameters outside embedding, layers, final norm and head: "
+                                   f"{sorted(extra)[:4]}")
+
+    def _embedding_scale(self) -> float | None:
+        """The engine gathers embedding rows itself, so the embedding module's forward must be a plain lookup,
+        or HF's scaled embedding (Gemma's: rows * scalar_embed_scale in the weights' dtype), whose scale it
+        applies. Anything else is refused rather than silently skipped."""
+        scale = getattr(self._embed, "scalar_embed_scale", None)
+        if scale is not None:
+            return float(scale) if float(scale) != 1.0 else None
+        if type(self._embed).forward is not nn.Embedding.forward:
+            raise UnsupportedModel(f"{self.architecture}: its embedding ({type(self._embed).__name__}) computes "
+                                   f"more than a row lookup")
+        return None
 
     # ------------------------------------------------------------ parameter specs (HF names)
     def layer_specs(self, index: int) -> list[ParamSpec]:
@@ -70,37 +131,60 @@ class ModelAdapter:
             specs.append(ParamSpec("lm_head.weight", (self.vocab_size, self.hidden_size)))
         return specs
 
-    @staticmethod
-    def hf_name(tile: str, name: str) -> str:
-        """Map (tile, name inside the tile) to the HF state-dict key."""
+    def hf_name(self, tile: str, name: str) -> str:
+        """Map (tile, name inside the tile) to the HF state-dict key (the meta model's module paths)."""
         if tile == "embed":
-            return "model.embed_tokens." + name
+            return f"{self._embed_path}.{name}"
         if tile == "head":
-            return name if name.startswith("lm_head.") else "model." + name
-        return f"model.{tile}.{name}"  # tile = 'layers.N'
+            if name.startswith("lm_head."):
+                return f"{self._head_path}.{name[len('lm_head.'):]}"
+            return f"{self._norm_path}.{name[len('norm.'):]}"
+        return f"{self._layers_path}.{tile[len('layers.'):]}.{name}"  # tile = 'layers.N'
 
     # ------------------------------------------------------------ templates (weightless modules)
     def layer_structure(self, index: int) -> str:
-        """Layers with the same structure can share templates (e.g. full vs sliding attention)."""
-        return self.layer_types[index]
+        """Layers with the same structure share templates: class, attention type and parameter shapes."""
+        shapes = ",".join(f"{s.name}{s.shape}" for s in self.layer_specs(index))
+        return f"{type(self._layers[index]).__name__}|{self.layer_types[index]}|{hash(shapes)}"
 
     def make_layer_template(self, index: int) -> nn.Module:
-        """A meta-device decoder layer: the computation, no weights. `index` only sets attention type."""
-        layer_cls = type(self._layers[index])
-        with torch.device("meta"):
-            template = layer_cls(self.config, index)
+        """A meta-device decoder layer: the computation, no weights (a copy of the meta model's layer)."""
+        template = copy.deepcopy(self._layers[index])
         template.train()
         return template
 
     def make_norm_template(self) -> nn.Module:
-        with torch.device("meta"):
-            return type(self._norm)(self.hidden_size, eps=self.config.rms_norm_eps)
+        return copy.deepcopy(self._norm)
 
-    def make_rotary(self, device: torch.device) -> nn.Module:
-        """Rotary embedding (a non-trained buffer): real, on the compute device."""
+    def make_rotary(self, device: torch.device) -> nn.Module | None:
+        """The rotary embedding (non-trained buffers): real, on the compute device; None without one."""
+        if self._rotary_attr is None:
+            return None
+        meta_rotary = getattr(self._decoder, self._rotary_attr)
         with torch.device("cpu"):  # inv_freq is computed in fp32 on the host, then moved
-            rotary = self._rotary_cls(config=self.config)
+            rotary = type(meta_rotary)(config=self.config)
         return rotary.to(device)
+
+    def make_layer_inputs(self, device: torch.device):
+        """The shell that builds every layer's call arguments as HF's decoder does (models/layer_inputs.py)."""
+        from megatrain_cli.models.layer_inputs import LayerInputs
+
+        return LayerInputs(self._decoder, self._layers_attr, self._norm_attr, self.num_layers, self._rotary_attr,
+                           self.make_rotary(device))
+
+    def norm_init_value(self) -> float:
+        """What HF initialises the final norm's weight to (1, or 0 for Gemma's 1 + weight norms)."""
+        norm = copy.deepcopy(self._norm).to_empty(device="cpu")
+        self._meta._init_weights(norm)
+        w = next(norm.parameters(), None)
+        return float(w.detach().flatten()[0]) if w is not None else 1.0
 
     def init_std(self) -> float:
         return float(getattr(self.config, "initializer_range", 0.02))
+
+
+def check_architecture(config: Any, allow_unverified: bool = False) -> str | None:
+    """The recipe-level policy (families.py): refuse an unverified family unless allowed; returns the
+    warning to print for an allowed one. Whether the model splits into streamable parts at all is
+    ModelAdapter's check."""
+    return families.check_verified(config, allow_unverified)

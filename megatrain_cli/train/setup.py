@@ -5,6 +5,7 @@ build through here, so a setting means the same in both and reaches the engine i
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -33,7 +34,12 @@ def model_config(r: Recipe, tokenizer=None):
         p = PRESETS[r.model.preset]
         vocab = p.vocab_size or (len(tokenizer) if tokenizer is not None else 1024)
         config = p.hf_config(vocab_size=vocab, max_position_embeddings=max(p.max_position_embeddings, r.train.seq_len))
-    check_architecture(config)
+    try:
+        warning = check_architecture(config, r.model.allow_unverified)
+    except ValueError as err:
+        raise TrainingError(f"model: {err}", 2) from None
+    if warning:
+        print(warning, file=sys.stderr)
     if tokenizer is not None and len(tokenizer) > config.vocab_size:
         raise TrainingError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
                             f"{config.vocab_size}: they do not belong together", 2)
