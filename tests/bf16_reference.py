@@ -62,7 +62,7 @@ def recipe_reference(masters: dict, config, steps, cfg, device) -> tuple[list[li
             for n in names:
                 acc[n] += params[n].grad.float()
                 params[n].grad = None
-            losses.append(float(loss_sum) / max(1, k))
+            losses.append(float(loss_sum.detach()) / max(1, k))
         norm = torch.sqrt(sum(a.double().square().sum() for a in acc.values())).item()
         coef = clip_coefficient(norm, cfg.max_grad_norm)
         for n in names:
@@ -93,7 +93,7 @@ def autocast_reference(masters: dict, config, steps, cfg, device) -> list[list[f
             with torch.autocast(dev.type, dtype=torch.bfloat16):
                 loss_sum, k = _loss_sum(model, mb, dev)
             (loss_sum / n_tok).backward()
-            losses.append(float(loss_sum) / max(1, k))
+            losses.append(float(loss_sum.detach()) / max(1, k))
         if cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()
