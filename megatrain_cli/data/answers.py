@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import re
 
-ANSWER_IS = re.compile(r"the answer is\s*:?[ \t]*(.*)", re.IGNORECASE)
-HASHES = re.compile(r"####[ \t]*(.*)")
+# Lazy up to the next marker or the line's end: the LAST marker of a text wins, on one line too.
+ANSWER_IS = re.compile(r"the answer is\s*:?[ \t]*(.*?)(?=the answer is|$)", re.IGNORECASE | re.MULTILINE)
+HASHES = re.compile(r"####[ \t]*(.*?)(?=####|$)", re.MULTILINE)
 BOXED = "\\boxed{"
 # A number as people write it: sign, thousands commas, decimals, a fraction, an optional leading '$'.
 NUMBER = re.compile(r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+(?:\.\d+)?)?|-?\.\d+")
-LEADING_NUMBER = re.compile(rf"^({NUMBER.pattern})(?=\s|$)")
+# A number that ends at a space, the end, or punctuation that ends a clause ('6, which ...', '6.').
+LEADING_NUMBER = re.compile(rf"^({NUMBER.pattern})(?=\s|$|[,;:!?)]|\.(?:\s|$))")
 FRAC = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
 TOLERANCE = 1e-6
 
@@ -25,9 +27,11 @@ def extract_answer(text: str) -> str | None:
     if not text:
         return None
     for pattern in (ANSWER_IS, HASHES):
-        matches = list(pattern.finditer(text))
-        if matches:
-            return _clean_marked(matches[-1].group(1))
+        # The last marker with an answer after it: a trailing empty '####' does not hide an earlier one.
+        for match in reversed(list(pattern.finditer(text))):
+            answer = _clean_marked(match.group(1))
+            if answer is not None:
+                return answer
     boxed = _last_boxed(text)
     if boxed is not None:
         return _clean_marked(boxed)
@@ -39,6 +43,8 @@ def _clean_marked(answer: str) -> str | None:
     """The answer after a marker: its line, without a final full stop or trailing words after a number."""
     answer = answer.strip().splitlines()[0].strip() if answer.strip() else ""
     answer = answer.rstrip(".").strip()
+    if "=" in answer:  # '15 + 18 = 33', 'x = 5': the value is what the last '=' gives
+        answer = answer.rsplit("=", 1)[1].strip().rstrip(".").strip()
     if normalize_number(answer) is None:
         # '8 apples' -> '8'; but keep '5\\sqrt{2}' or '(1, 2)' whole for the string comparison.
         lead = LEADING_NUMBER.match(answer)
