@@ -1,6 +1,7 @@
 """Named model shapes: random-init models for `bench`, the demo and tests (no weights needed).
 
-Shapes follow the published configs (Qwen2.5, Llama 3, Gemma 2 / 3, Phi-4, OLMo 2): the common fields
+Shapes follow the published configs (Qwen2.5, Llama 3, Gemma 2 / 3, Phi-4, OLMo 2, and the mixture-of-experts
+Qwen3-MoE, Mixtral and gpt-oss): the common fields
 below, plus what a family's config sets beyond them (`extra`: head_dim, softcaps, sliding windows, two
 RoPE bases, token ids), so that a preset builds the same modules the published checkpoint has;
 tests/test_presets.py checks each parameter count against the published figure. `tiny` is ours, sized
@@ -61,6 +62,13 @@ class Preset:
 
 
 GEMMA_TOKENS = (("pad_token_id", 0), ("eos_token_id", 1), ("bos_token_id", 2))
+QWEN3_MOE = (("num_experts", 128), ("num_experts_per_tok", 8), ("norm_topk_prob", True), ("decoder_sparse_step", 1),
+             ("mlp_only_layers", []), ("router_aux_loss_coef", 0.001))
+GPT_OSS = (("head_dim", 64), ("num_experts_per_tok", 4), ("sliding_window", 128), ("attention_bias", True),
+           ("swiglu_limit", 7.0), ("router_aux_loss_coef", 0.9),
+           ("rope_parameters", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
+           ("pad_token_id", 199999), ("eos_token_id", 200002))
 
 PRESETS: dict[str, Preset] = {
     # vocab_size 0 = take the bundled tokenizer's size
@@ -101,4 +109,23 @@ PRESETS: dict[str, Preset] = {
     "olmo2-7b": Preset("olmo2", 4096, 32, 32, 32, 11008, 100352, False, rope_theta=500000.0,
                        max_position_embeddings=4096,
                        extra=(("bos_token_id", None), ("eos_token_id", 100257), ("pad_token_id", 100277))),
+    # Mixture of experts. Their config.json files keep output_router_logits false (HF's default); the engine
+    # trains with the router aux loss at router_aux_loss_coef (engine/router_loss.py), as HF's training does.
+    # Qwen/Qwen3-30B-A3B: 128 experts of width 768, top-8 renormalised, q/k norms, no shared expert.
+    "qwen3-30b-a3b": Preset("qwen3_moe", 2048, 48, 32, 4, 6144, 151936, False, max_position_embeddings=40960,
+                            extra=(("head_dim", 128), *QWEN3_MOE, ("moe_intermediate_size", 768))),
+    # Qwen/Qwen3-235B-A22B: the same layer design, wider and deeper.
+    "qwen3-235b-a22b": Preset("qwen3_moe", 4096, 94, 64, 4, 12288, 151936, False, max_position_embeddings=40960,
+                              extra=(("head_dim", 128), *QWEN3_MOE, ("moe_intermediate_size", 1536))),
+    # mistralai/Mixtral-8x7B-v0.1: 8 experts of width 14336, top-2, no sliding window.
+    "mixtral-8x7b": Preset("mixtral", 4096, 32, 32, 8, 14336, 32000, False, rms_norm_eps=1e-5,
+                           extra=(("num_local_experts", 8), ("num_experts_per_tok", 2), ("sliding_window", None),
+                                  ("router_aux_loss_coef", 0.02))),
+    # openai/gpt-oss-20b and -120b: 128-token window and full layers alternating, attention sinks, biased
+    # q/k/v/o, router bias, clamped SwiGLU experts (width 2880) with biases, YaRN x32. The published
+    # checkpoints hold the experts in MXFP4; loading dequantises them to bf16 (models/families.py).
+    "gpt-oss-20b": Preset("gpt_oss", 2880, 24, 64, 8, 2880, 201088, False, max_position_embeddings=131072,
+                          rms_norm_eps=1e-5, extra=(("num_local_experts", 32), *GPT_OSS)),
+    "gpt-oss-120b": Preset("gpt_oss", 2880, 36, 64, 8, 2880, 201088, False, max_position_embeddings=131072,
+                           rms_norm_eps=1e-5, extra=(("num_local_experts", 128), *GPT_OSS)),
 }

@@ -29,6 +29,19 @@ FAMILY_EXTRAS = {
                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "phi3": {"pad_token_id": 5, "bos_token_id": 1, "eos_token_id": 2},
     "olmo2": {"pad_token_id": 5, "bos_token_id": 1, "eos_token_id": 2},
+    # Mixture of experts: more experts than top-k, an aux coefficient large enough that a wrong router
+    # gradient shows at 1e-5 (the published 0.001 would hide it).
+    "qwen3_moe": {"head_dim": 8, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "norm_topk_prob": True, "router_aux_loss_coef": 0.5},
+    "qwen2_moe": {"num_experts": 6, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "shared_expert_intermediate_size": 24, "mlp_only_layers": [1], "router_aux_loss_coef": 0.5},
+    "mixtral": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None,
+                "router_aux_loss_coef": 0.5},
+    "gpt_oss": {"head_dim": 8, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6,
+                "router_aux_loss_coef": 0.5,
+                "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 64,
+                                    "rope_theta": 150000.0}},
 }
 
 
@@ -72,8 +85,13 @@ def param_groups(model, weight_decay: float):
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
-def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, total_steps: int):
-    """Plain training: per-micro-batch losses, global token-mean gradient, clip, AdamW."""
+def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, total_steps: int,
+                    router_aux: bool = False):
+    """Plain training: per-micro-batch losses, global token-mean gradient, clip, AdamW.
+
+    `router_aux`: an MoE model's forward runs with output_router_logits (as HF's training turns it on) and
+    each micro-batch's loss is HF's, cross-entropy mean + router_aux_loss_coef * aux_loss (HF's own aux),
+    weighted like its cross-entropy by its share of the step's loss tokens (engine/router_loss.py)."""
     opt = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=tuple(cfg.betas),
                             eps=cfg.eps, foreach=False)
     dev = next(model.parameters()).device
@@ -87,13 +105,18 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
             kw = {}
             if mb.position_ids is not None:  # packed rows: HF detects the documents from the positions
                 kw = {"position_ids": mb.position_ids.to(dev)}  # (only without a KV cache: use_cache=False)
-            logits = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw).logits.float()
+            if router_aux:
+                kw["output_router_logits"] = True
+            out = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw)
+            logits = out.logits.float()
             lab = mb.labels[:, 1:].to(dev)
             loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                          lab.reshape(-1), ignore_index=IGNORE_INDEX,
                                                          reduction="sum")
-            (loss_sum / n_tok).backward()
-            losses.append(float(loss_sum.detach()) / max(1, int((lab != IGNORE_INDEX).sum())))
+            n_mb = int((lab != IGNORE_INDEX).sum())
+            aux = model.router_aux_loss_coef * out.aux_loss if router_aux else 0.0
+            (loss_sum / n_tok + aux * (n_mb / n_tok)).backward()
+            losses.append(float(loss_sum.detach()) / max(1, n_mb) + float(aux.detach() if router_aux else aux))
         if cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         opt.step()

@@ -21,7 +21,10 @@ from megatrain_cli.recipe import TrainConfig
 from tests.reference import random_batches, reference_model, reference_train, tiny_config
 
 STEPS, ACCUM, SEQ = 3, 2, 16
-ADAM_EPS = 1e-6  # as tests/test_parity.py: keeps the comparison about the engine, not fp32 noise
+# Adam divides by sqrt(v) + eps: an element whose gradient is summation noise (~1e-9, different in the last
+# bits for any two summation orders, i.e. thread counts) gets an update of lr * noise / eps. 1e-5 keeps that
+# below the 1e-6 floor of the comparison; 1e-6 (tests/test_parity.py) left Gemma 3 at the edge.
+ADAM_EPS = 1e-5
 
 
 def packed(batches, cut: int = 9):

@@ -12,6 +12,11 @@ from megatrain_cli.presets import PRESETS
 
 # Published parameter counts (a tied embedding counted once) and where each figure comes from.
 PUBLISHED = {
+    "qwen3-30b-a3b": (30.5e9, "Qwen/Qwen3-30B-A3B model card: 30.5B"),
+    "qwen3-235b-a22b": (235e9, "Qwen/Qwen3-235B-A22B model card: 235B"),
+    "mixtral-8x7b": (46.7e9, "Mixtral of Experts paper: 46.7B"),
+    "gpt-oss-20b": (20.91e9, "gpt-oss model card: 20.91B"),
+    "gpt-oss-120b": (116.83e9, "gpt-oss model card: 116.83B"),
     "0.5b": (0.49e9, "Qwen2.5-0.5B model card: 0.49B"),
     "1.5b": (1.54e9, "Qwen2.5-1.5B model card: 1.54B"),
     "3b": (3.09e9, "Qwen2.5-3B model card: 3.09B"),

@@ -19,7 +19,7 @@ from megatrain_cli.bench.loop import BENCH_LR, run_timed_steps, synthetic_batch
 from megatrain_cli.bench.result import BenchResult
 from megatrain_cli.engine.plan.lean import GiB, fmt_bytes
 from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
-from megatrain_cli.metrics.flops import model_flops, streamed_step_flops
+from megatrain_cli.metrics.flops import hf_matmul_params, model_flops, streamed_step_flops
 from megatrain_cli.metrics.step import step_metrics
 
 
@@ -131,9 +131,13 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
     batch, seq, warmup, steps = t.micro_batch_size * t.grad_accum, t.seq_len, run.warmup_steps(False), run.steps
     dev = torch.device("cuda")
     with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16)
+        # HF's own attention choice, as the engine's templates make it (SDPA; eager where a family needs it,
+        # e.g. Gemma 2's attention softcap, gpt-oss's sinks): the same model, not a faster relative.
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
+    if getattr(config, "router_aux_loss_coef", 0):  # MoE: HF adds coef * router aux loss to out.loss, as ours does
+        model.config.output_router_logits = True
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=BENCH_LR, fused=True)
     torch.cuda.reset_peak_memory_stats(dev)
@@ -152,9 +156,7 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
         log(f"[native] step {s}: loss {losses[-1]:.4f}")
     torch.cuda.synchronize(dev)
     wall = time.perf_counter() - t_timed
-    n_params = sum(p.numel() for p in model.parameters())
-    emb = model.get_input_embeddings().weight.numel()
-    matmul = n_params - emb + (emb if config.tie_word_embeddings else 0)
+    matmul = hf_matmul_params(model)  # ACTIVE parameters for an MoE model, as the engine's row counts
     flops = model_flops(matmul, batch * seq, batch, seq, config.hidden_size, config.num_hidden_layers)
     step_time = wall / steps
     res = BenchResult(

@@ -15,9 +15,11 @@ import torch
 
 from megatrain_cli.batch import MicroBatch, StepResult
 from megatrain_cli.engine import kernel_patch
-from megatrain_cli.engine.inputs import embed_output_grad, embed_scale, step_inputs
+from megatrain_cli.engine.inputs import embed_output_grad, step_inputs
+from megatrain_cli.engine.embed_backward import embed_backward
 from megatrain_cli.engine.head import run_head
 from megatrain_cli.engine.plan.lean import LeanPlan
+from megatrain_cli.engine.router_loss import moe_setup, routers
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
 from megatrain_cli.engine.lean_layers import SDPA_BACKENDS, sdpa_backend_context, slim_norms, chunk_mlp
@@ -79,6 +81,7 @@ class Engine:
         self.interval = checkpoint_interval
         self.chunk = loss_chunk_tokens
         self.templates = TemplatePool(self.adapter)
+        self.moe, self.router = moe_setup(self.adapter.config, self.templates, device)  # None, None if dense
         self.norm_template = self.adapter.make_norm_template()
         self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
         self.optimizer = HostAdamW(train, kernel=host_adamw, defer_moments=defer_moments)
@@ -125,7 +128,8 @@ class Engine:
     def _install_long_context(self, plan: LeanPlan) -> None:
         if plan.mlp_chunk_tokens:
             for template in self.templates.all():
-                chunk_mlp(template, plan.mlp_chunk_tokens)
+                if self.moe is None or not routers(template, self.moe):  # routed experts run whole
+                    chunk_mlp(template, plan.mlp_chunk_tokens)
         if plan.lean_norms:
             for template in self.templates.all():
                 slim_norms(template)
@@ -163,8 +167,11 @@ class Engine:
             views = {k: v.detach().requires_grad_() for k, v in views.items()}
         return views
 
-    def _layer(self, i: int, weights, h, call):
-        """Layer i on one micro-batch, with the arguments HF's decoder loop gives it (models/layer_inputs.py)."""
+    def _layer(self, i: int, weights, h, call, mb: int = 0, count: bool = False, keep: bool = False):
+        """Layer i on micro-batch `mb`, with the arguments HF's decoder loop gives it (models/layer_inputs.py);
+        `count` / `keep`: what the router loss takes from its routers (engine/router_loss.py)."""
+        if self.router is not None:
+            self.router.at(i, mb, count=count, keep=keep)
         return run_bound(self.templates.next_for(i), weights, h, **call.kwargs[i])
 
     # ------------------------------------------------------------ the step
@@ -242,6 +249,8 @@ class Engine:
                         check_mask=self.long_context is not None)
         ids_all, uniq, inv_dev, h, ctx, labels, offsets = x.ids, x.uniq, x.inverse, x.h, x.calls, x.labels, x.offsets
         n_loss_tokens = x.loss_tokens
+        if self.router is not None:
+            self.router.begin(len(mbs))
         norm_scale = 1.0 / max(1, n_loss_tokens)
         sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
 
@@ -268,11 +277,12 @@ class Engine:
                                 off.put(op.block, list(h))
                         flat = self.streamer.acquire(op.tile)
                         if op.grad:
-                            h = self._record_layer(op.layer, flat, h, ctx, graphs)
+                            h = self._record_layer(op.layer, flat, h, ctx, graphs, count=True)
                         else:
                             with torch.no_grad():
                                 w = self.weight_views(op.tile, flat, grad=False)
-                                h = [self._layer(op.layer, w, x, c) for x, c in zip(h, ctx)]
+                                h = [self._layer(op.layer, w, x, c, m, count=True)
+                                     for m, (x, c) in enumerate(zip(h, ctx))]
                     elif op.kind == "head":
                         times["forward"] = time.perf_counter() - t0
                         t0 = time.perf_counter()
@@ -281,6 +291,8 @@ class Engine:
                         if off is not None and self._first_recompute is not None:
                             off.prefetch(self._first_recompute)  # comes back while the head computes
                         grads_out, losses, head_grad = run_head(self, h, labels, norm_scale, sq_norm)
+                        if self.router is not None:  # each micro-batch's loss as HF's: + coef * router aux loss
+                            losses = self.router.add_to(losses, n_loss_tokens)
                         h = []
                         times["head"] = time.perf_counter() - t0
                         t0 = time.perf_counter()
@@ -299,7 +311,7 @@ class Engine:
                         grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
                     elif op.kind == "embed_backward":
                         grads_out = [embed_output_grad(tr, g) for tr, g in zip(x.transforms, grads_out)]
-                        self._embed_backward(grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
+                        embed_backward(self, grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
                     if self.on_op is not None:
                         self.on_op(op)  # its host work is issued
         except torch.cuda.OutOfMemoryError as err:
@@ -330,13 +342,13 @@ class Engine:
                           h2d_bytes=st.h2d_bytes, d2h_bytes=st.d2h_bytes, h2d_count=dict(st.h2d_count))
 
     # ------------------------------------------------------------ phases
-    def _record_layer(self, i: int, flat, h, ctx, graphs) -> list[torch.Tensor]:
+    def _record_layer(self, i: int, flat, h, ctx, graphs, count: bool = False) -> list[torch.Tensor]:
         """Run layer i on every micro-batch with autograd; the graph refers to weights by tile."""
         tile = f"layers.{i}"
         w = self.weight_views(tile, flat, grad=True)
         xs = [x.detach().requires_grad_() for x in h]
         with torch.enable_grad(), self.redirect.hooks():
-            ys = [self._layer(i, w, x, c) for x, c in zip(xs, ctx)]
+            ys = [self._layer(i, w, x, c, m, count=count, keep=True) for m, (x, c) in enumerate(zip(xs, ctx))]
         graphs[i] = (xs, ys, w)
         return [y.detach() for y in ys]
 
@@ -347,8 +359,9 @@ class Engine:
         acc = self.grad_zeros(f"layers.{i}")
         acc_views = layout.views(acc)
         grads_in = []
-        for x, y, g in zip(xs, ys, grads_out):
-            out = torch.autograd.grad(y, [x, *w.values()], g)
+        for m, (x, y, g) in enumerate(zip(xs, ys, grads_out)):
+            aux = self.router.terms(i, m) if self.router is not None else []  # the router aux loss's share
+            out = torch.autograd.grad([y, *aux], [x, *w.values()], [g, *[None] * len(aux)])
             grads_in.append(out[0])
             for name, gw in zip(names, out[1:]):
                 acc_views[name].add_(gw)
@@ -356,25 +369,3 @@ class Engine:
         sq_norm.add_(sq)
         self.sink.send(f"layers.{i}", acc, sq)
         return grads_in
-
-    def _embed_backward(self, grads_out, uniq, inv_dev, offsets, tied_flat, sq_norm) -> None:
-        H = self.adapter.hidden_size
-        rows = torch.zeros(uniq.numel(), H, dtype=torch.float32, device=self.device)
-        for g, (lo, hi) in zip(grads_out, offsets):
-            rows.index_add_(0, inv_dev[lo:hi], g.reshape(-1, H).float())
-        if self.adapter.input_scale is not None:  # the embedding module's scale (Gemma)
-            rows.mul_(embed_scale(self.adapter, self.dtype))
-        pad = self.adapter.padding_idx
-        if pad is not None:  # nn.Embedding(padding_idx=...): that row gets no input-side gradient, as in HF
-            rows.masked_fill_((uniq.to(self.device) == pad).unsqueeze(1), 0.0)  # no host sync
-        if tied_flat is not None:
-            tied_grad = tied_flat[:self.adapter.vocab_size * H].view(self.adapter.vocab_size, H)
-            tied_grad.index_add_(0, uniq.to(self.device), rows)
-            flat = tied_flat
-            sq = torch.dot(flat, flat)
-            sq_norm.add_(sq)
-            self.sink.send("embed", flat, sq)
-        else:
-            sq = rows.square().sum()
-            sq_norm.add_(sq)
-            self.sink.send_rows("embed", rows, uniq, sq)

@@ -1,9 +1,16 @@
 """FLOP counts of one training step: model FLOPs (what MFU divides) and executed FLOPs (recompute in).
 
 A throughput figure says which FLOPs it counts: model FLOPs leave recompute out, executed FLOPs put it in.
+Mixture-of-experts models are counted by their ACTIVE parameters: a routed expert's weights count
+top_k / num_experts (what one token multiplies by), the router and any shared expert in full; the bytes
+moved and the host optimizer's work are per TOTAL parameter, which is why an MoE step needs many more
+tokens than a dense one of the same FLOPs to hide its transfers.
 """
 
 from __future__ import annotations
+
+from megatrain_cli.models.families import is_expert_param, moe_spec
+
 
 def model_flops(num_matmul_params: int, tokens: int, batch: int, seq_len: int, hidden: int,
                 num_layers: int) -> float:
@@ -14,8 +21,9 @@ def model_flops(num_matmul_params: int, tokens: int, batch: int, seq_len: int, h
     - 6 = 2 (multiply-add) for the forward matmul + 4 for the backward (gradient of the input and
       of the weight), per parameter per token.
     - num_matmul_params: parameters that take part in a matmul -- every decoder-layer weight plus
-      the LM head. The input embedding is a row lookup, not a matmul, so it is excluded (when the
-      head is tied to the embedding, the shared matrix is counted once, as the head).
+      the LM head; for a mixture of experts the ACTIVE ones (routed experts x top_k / num_experts).
+      The input embedding is a row lookup, not a matmul, so it is excluded (when the head is tied to
+      the embedding, the shared matrix is counted once, as the head).
     - The attention term: QK^T and attention-times-V cost 2 * 2 * s^2 * h forward per sequence
       per layer, so 12 * b * s^2 * h * L forward+backward for full attention; causal attention
       needs only half of it: 6 * b * s^2 * h * L. Packed rows are counted as one causal sequence of
@@ -44,10 +52,26 @@ def executed_flops(model_flops_value: float, recompute_fraction: float, *, head_
     return model_flops_value + (model_flops_value - head_flops) * recompute_fraction / 3.0
 
 
-def matmul_params(store) -> int:
-    """Parameters that take part in matmuls: all but the embedding table, unless it is tied to the LM head."""
+def matmul_params(store) -> float:
+    """Parameters one token's matmuls use: all but the embedding table (unless it is tied to the LM head),
+    routed experts counted at top_k / num_experts (active parameters; = all of them for a dense model)."""
+    spec = moe_spec(store.adapter.config)
     embed = store.layouts["embed"].numel
-    return store.num_params() - (0 if store.adapter.tied else embed)
+    total = sum(_active(s.name, s.shape, s.numel, spec) for layout in store.layouts.values() for s in layout.slots)
+    return total - (0 if store.adapter.tied else embed)
+
+
+def hf_matmul_params(model) -> float:
+    """matmul_params of a plain HF model (the native baseline's): active parameters, embedding excluded
+    unless tied to the head (a tied parameter is listed once)."""
+    spec = moe_spec(model.config)
+    total = sum(_active(n, tuple(p.shape), p.numel(), spec) for n, p in model.named_parameters())
+    emb = model.get_input_embeddings().weight.numel()
+    return total - (0 if model.config.tie_word_embeddings else emb)
+
+
+def _active(name: str, shape: tuple[int, ...], numel: int, spec) -> float:
+    return numel * spec.top_k / spec.num_experts if is_expert_param(name, shape, spec) else float(numel)
 
 
 def streamed_step_flops(store, *, rows: int, seq: int, recomputed_layers: int,
@@ -60,8 +84,12 @@ def streamed_step_flops(store, *, rows: int, seq: int, recomputed_layers: int,
     cfg = a.config
     tokens = rows * seq
     flops = model_flops(matmul_params(store), tokens, rows, seq, a.hidden_size, a.num_layers)
-    layer_params = sum(store.layouts[n].numel for n in store.layer_names) / a.num_layers
+    spec = moe_spec(cfg)
+    layer_params = sum(_active(s.name, s.shape, s.numel, spec)
+                       for n in store.layer_names for s in store.layouts[n].slots) / a.num_layers
     extra = (2.0 * layer_params * tokens + 2.0 * rows * seq * seq * a.hidden_size) * recomputed_layers
-    if mlp_chunk_tokens and tokens > mlp_chunk_tokens:
-        extra += 4.0 * a.hidden_size * int(cfg.intermediate_size) * tokens * a.num_layers
+    if mlp_chunk_tokens and tokens > mlp_chunk_tokens:  # only dense MLPs are chunked (routed experts run whole)
+        dense = sum(not any(is_expert_param(s.name, s.shape, spec) for s in store.layouts[n].slots)
+                    for n in store.layer_names)
+        extra += 4.0 * a.hidden_size * int(cfg.intermediate_size) * tokens * dense
     return flops, flops + extra

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from megatrain_cli.models import families
+
 
 class ConversionError(ValueError):
     pass
@@ -74,7 +76,8 @@ class CheckpointRules:
         buffers = {n for n, _ in self.model.named_buffers()}
         # Second names of tied parameters (a tied lm_head): a checkpoint may carry a copy; HF re-ties it.
         self.aliases = set(self.meta_state) - parameters - buffers
-        transforms = get_model_conversion_mapping(self.model)
+        # A checkpoint stored quantized (gpt-oss's MXFP4 experts) is dequantized by transformers' own rules.
+        transforms = get_model_conversion_mapping(self.model, hf_quantizer=families.checkpoint_quantizer(config))
         self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self._by_pattern = {p: c for c in self.converters for p in c.source_patterns}

@@ -12,6 +12,12 @@ HF decoder layer with SDPA; test_lean_layers.py measures the saved tensors of a 
     MLP intermediates                            4*w*I unchunked (gate, act, up, product); 0 chunked
     layer output (held by the engine)            w*H
 
+A mixture-of-experts layer keeps, instead of the MLP intermediates (measured on HF's grouped-mm experts,
+tests/test_moe.py), per token and per routed pick (top_k of them): the gathered input and the weighted
+expert output w*2H, the gate/up output, activation and product w*4I (gpt-oss's clamped SwiGLU: w*7I) and
+40 bytes of indices; per token the router's fp32 softmax 4E and the logits the aux loss keeps w*E; a shared
+expert as a dense MLP plus its gated output (w*(4*I_s + H)). Routed experts are never chunked.
+
 `w` is the compute dtype's width. For Qwen2.5-7B in bf16 that is 95 KB per token: 50 GB at 512K with
 the MLP chunked (the unchunked MLP would add 152 KB/token, 79 GB). A checkpoint is w*H = 7 KB/token,
 3.76 GB at 512K, 28 of them 105 GB: at long context they, not the layer, decide what fits.
@@ -21,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from megatrain_cli.models.families import moe_spec
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,31 @@ class ModelShape:
     tied: bool
     qk_norm: bool  # Qwen3: RMSNorm over each head's q and k
     layer_numel: int  # parameters of the largest decoder layer (one weight slot)
+    # Mixture of experts (0 for a dense model); `intermediate` is then the routed width top_k * I_e + I_s.
+    experts: int = 0
+    top_k: int = 0
+    expert_intermediate: int = 0
+    shared_intermediate: int = 0
+    gate_tensors: int = 2  # what an expert's gating keeps per intermediate unit: SwiGLU 2, gpt-oss 5
+    dense_intermediate: int = 0  # a dense layer's MLP width between MoE layers (Qwen2/3-MoE), else 0
+
+    @property
+    def moe(self) -> bool:
+        return self.experts > 0
+
+    def mlp_saved_per_token(self, w: int) -> int:
+        """What autograd keeps per token for the MLP beyond its input (the largest layer's kind)."""
+        if not self.moe:
+            return 4 * w * self.intermediate
+        routed = self.top_k * (w * (2 * self.hidden + (2 + self.gate_tensors) * self.expert_intermediate) + 40)
+        shared = w * (4 * self.shared_intermediate + self.hidden) if self.shared_intermediate else 0
+        return max(routed + (4 + w) * self.experts + shared, 4 * w * self.dense_intermediate)
+
+    def mlp_backward_per_token(self, w: int) -> int:
+        """The MLP backward's temporaries per token (unchunked): gate/up gradients and their product."""
+        if not self.moe:
+            return 3 * w * self.intermediate
+        return self.top_k * w * (3 * self.expert_intermediate + 2 * self.hidden) + 3 * w * self.shared_intermediate
 
     @property
     def q_dim(self) -> int:
@@ -52,7 +85,12 @@ class ModelShape:
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or h // heads)
         inter = int(config.intermediate_size)
-        qk_norm = getattr(config, "model_type", "") == "qwen3"
+        qk_norm = getattr(config, "model_type", "") in ("qwen3", "qwen3_moe")
+        spec = moe_spec(config)
+        if spec is not None and not hasattr(model, "layer_specs"):
+            from megatrain_cli.models.adapter import ModelAdapter  # a meta model: the exact layer sizes
+
+            model = ModelAdapter(config)
         if hasattr(model, "layer_specs"):
             numel = max(sum(s.numel for s in model.layer_specs(i)) for i in range(model.num_layers))
         else:
@@ -63,8 +101,17 @@ class ModelShape:
             numel = (h * q + 2 * h * kv + q * h + 3 * h * inter + 2 * h
                      + (q + 2 * kv) * qkv_bias + h * o_bias + (2 * inter + h) * mlp_bias
                      + 2 * head_dim * qk_norm)
-        return cls(int(config.num_hidden_layers), h, inter, heads, kv_heads, head_dim, int(config.vocab_size),
-                   bool(getattr(config, "tie_word_embeddings", False)), qk_norm, numel)
+        common = (int(config.num_hidden_layers), h)
+        rest = (heads, kv_heads, head_dim, int(config.vocab_size), bool(getattr(config, "tie_word_embeddings", False)),
+                qk_norm, numel)
+        if spec is None:
+            return cls(*common, inter, *rest)
+        dense = getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) > 1
+        return cls(*common, spec.top_k * spec.expert_intermediate + spec.shared_intermediate, *rest,
+                   experts=spec.num_experts, top_k=spec.top_k, expert_intermediate=spec.expert_intermediate,
+                   shared_intermediate=spec.shared_intermediate,
+                   gate_tensors=5 if getattr(config, "swiglu_limit", None) else 2,
+                   dense_intermediate=inter if dense else 0)
 
 
 def _norm_saved(h: int, width: int, lean: bool, input_saved_elsewhere: bool) -> int:
@@ -90,7 +137,8 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_chunked
         "SDPA output + logsumexp": w * s.q_dim + 4 * s.heads,
         "post-attention RMSNorm": _norm_saved(s.hidden, w, lean_norms, input_saved_elsewhere=False),
         "MLP input": w * s.hidden,
-        "MLP intermediates": 0 if mlp_chunked else 4 * w * s.intermediate,
+        "MLP intermediates" + (" (routed experts + router)" if s.moe else ""):
+            0 if mlp_chunked and not s.moe else s.mlp_saved_per_token(w),
         "layer output": w * s.hidden,
     }
     if s.qk_norm:  # q_norm / k_norm read the projections' outputs, which nothing else keeps
@@ -128,7 +176,8 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
         # chunk when chunked), plus k and v.
         "layer outputs" + (" (every micro-batch)" if many else ""): T * w * H,
         "one layer's temporaries" + (" (one micro-batch)" if many else ""): (
-            max(t * (2 * w * H if plan.lean_norms else (8 + w) * H), t * 5 * w * H, 3 * w * s.intermediate * mlp_rows)
+            max(t * (2 * w * H if plan.lean_norms else (8 + w) * H), t * 5 * w * H,
+                (t * s.mlp_saved_per_token(w)) if s.moe else 3 * w * s.intermediate * mlp_rows)
             + t * 2 * w * s.kv_dim),
     }
     head_norm_kept = _norm_saved(H, w, plan.lean_norms, input_saved_elsewhere=True)
@@ -164,12 +213,12 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
         "gradients in flight (output, residual, attention output)": grads + t * w * s.q_dim,
         "SDPA backward (flash-2 dq/dk/dv, fp32 dq accum" + (", GQA dk/dv expanded)" if gqa else ")"): sdpa_bwd,
     }
-    if plan.mlp_chunk_tokens:
+    if plan.mlp_chunk_tokens and not s.moe:
         mlp_work = (8 * min(plan.mlp_chunk_tokens, t) * s.intermediate * w  # a chunk's gate/act/up/product + grads
                     + 3 * H * s.intermediate * (4 + w))  # fp32 weight-gradient accumulators + a chunk's partials
         mlp_name = f"MLP backward: one {plan.mlp_chunk_tokens}-token chunk + fp32 weight accumulators"
     else:
-        mlp_work, mlp_name = 3 * t * s.intermediate * w, "MLP backward temporaries (unchunked)"
+        mlp_work, mlp_name = t * s.mlp_backward_per_token(w), "MLP backward temporaries (unchunked)"
     phases["layer backward, MLP half"] = {**backward, **saved, "gradients in flight (output, MLP input)": grads,
                                           mlp_name: mlp_work}
     return fixed, phases

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatrain_cli.engine.plan.lean_terms import ModelShape
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
 from megatrain_cli.machine import available_host_bytes
 from megatrain_cli.models.adapter import ModelAdapter
@@ -82,7 +83,6 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
         plan.pinned[f"gradient slabs (K={grad_slabs} x largest layer)"] = grad_slabs * big * width
     h, layers, vocab = adapter.hidden_size, adapter.num_layers, adapter.vocab_size
     tokens = micro_batch_size * seq_len
-    inter = int(getattr(adapter.config, "intermediate_size", 4 * h))
     plan.device[f"layer weight slots ({layer_slots} x largest layer)"] = layer_slots * big * width
     plan.device["head weights (norm + LM head)"] = store.layouts["head"].numel * width
     if adapter.tied:
@@ -95,6 +95,12 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
     hidden_bytes = tokens * h * width
     plan.device["activation checkpoints (estimate)"] = (len(bl) - keep_blocks) * grad_accum * hidden_bytes
     per_layer = activation_bytes_per_layer(adapter, tokens, width)
+    if getattr(adapter.config, "_attn_implementation", None) == "eager":
+        # HF's eager attention (gpt-oss's sinks, Gemma 2's softcap: no SDPA) keeps each head's [T, T (+1 sink)]
+        # probabilities for its backward: quadratic in the sequence.
+        per_layer += micro_batch_size * int(adapter.config.num_attention_heads) * seq_len * (seq_len + 1) * width
+        plan.notes.append("eager attention (no SDPA for this family): each layer keeps its [T, T] attention "
+                          "probabilities per head; shorter rows or a smaller micro-batch cut it quadratically")
     chunk = min(loss_chunk_tokens, tokens)
     loss_chunk = chunk * vocab * (width + 4 + 4)
     # Kept blocks are the LAST ones: their activations live from their forward to their backward,
@@ -120,10 +126,12 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
 def activation_bytes_per_layer(adapter: ModelAdapter, tokens: int, width: int) -> int:
     """What autograd keeps for one decoder layer over `tokens` tokens (SDPA attention + SwiGLU MLP):
     about 10 hidden-sized and 4 intermediate-sized tensors, plus 15% for what the count misses
-    (GQA's expanded K/V, fp32 norm inputs). An estimate, checked against measured peaks."""
-    h = adapter.hidden_size
-    inter = int(getattr(adapter.config, "intermediate_size", 4 * h))
-    return int(1.15 * tokens * (10 * h + 4 * inter) * width)
+    (GQA's expanded K/V, fp32 norm inputs). A mixture-of-experts layer keeps its routed experts' and
+    router's tensors instead of the 4 intermediate-sized ones (lean_terms.ModelShape.mlp_saved_per_token:
+    top_k picks of each token through one expert, not every expert). An estimate, checked against
+    measured peaks."""
+    mlp = ModelShape.of(adapter).mlp_saved_per_token(width)
+    return int(1.15 * tokens * (10 * adapter.hidden_size * width + mlp))
 
 
 def kept_block_ids(n_blocks: int, keep_blocks: int) -> frozenset[int]:
