@@ -124,11 +124,14 @@ def render_frame(metrics, *, title: str, total_steps: int, width: int = 132) -> 
 def bench_native(planned, run, *, log=print) -> BenchResult:
     """The same model, batch and tokens entirely on the GPU: bf16 weights, HF gradient checkpointing, fused
     torch AdamW on the device, clipping at 1.0. (bf16 optimizer state: the fastest and leanest way PyTorch
-    runs it natively; it needs the whole model's weights, gradients and moments in device memory.)"""
+    runs it natively; it needs the whole model's weights, gradients and moments in device memory.) The
+    step's train.grad_accum micro-batches of train.micro_batch_size rows each, accumulated as HF's Trainer
+    does (the engine's shape: one [rows x seq x vocab] logits tensor at a time, not the whole step's)."""
     from transformers import AutoModelForCausalLM
 
     config, t = planned.config, planned.r.train
     batch, seq, warmup, steps = t.micro_batch_size * t.grad_accum, t.seq_len, run.warmup_steps(False), run.steps
+    rows, accum = t.micro_batch_size, t.grad_accum
     dev = torch.device("cuda")
     with torch.device(dev):
         # HF's own attention choice, as the engine's templates make it (SDPA; eager where a family needs it,
@@ -147,12 +150,16 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
             torch.cuda.synchronize(dev)
             t_timed = time.perf_counter()
         mb = synthetic_batch(config.vocab_size, batch, seq, seed=s * 97)
-        out = model(input_ids=mb.input_ids.to(dev), labels=mb.labels.to(dev))
-        out.loss.backward()
+        loss = 0.0
+        for a in range(accum):  # every row of a synthetic batch carries the same number of loss tokens
+            part = slice(a * rows, (a + 1) * rows)
+            out = model(input_ids=mb.input_ids[part].to(dev), labels=mb.labels[part].to(dev))
+            (out.loss / accum).backward()
+            loss += float(out.loss.detach()) / accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(out.loss.detach()))
+        losses.append(loss)
         log(f"[native] step {s}: loss {losses[-1]:.4f}")
     torch.cuda.synchronize(dev)
     wall = time.perf_counter() - t_timed
@@ -164,7 +171,8 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
         tokens_per_s=batch * seq / step_time, model_tflops=flops / step_time / 1e12,
         executed_tflops=flops * 4 / 3 / step_time / 1e12, peak_device_bytes=torch.cuda.max_memory_allocated(dev),
         host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(), losses=losses,
-        notes="bf16 params+grads+AdamW state on the GPU, HF gradient checkpointing, fused AdamW")
+        notes=f"bf16 params+grads+AdamW state on the GPU, HF gradient checkpointing, fused AdamW, "
+              f"{accum} micro-batch(es) of {rows} rows")
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()
