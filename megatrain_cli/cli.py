@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import List, Optional
+from typing import Optional
 
 import typer
 
 from megatrain_cli import __version__
-from megatrain_cli.recipe import RecipeError, load_recipe, schema_help
+from megatrain_cli.recipe import load_recipe, schema_help
+from megatrain_cli.train.errors import TrainingError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Full fine-tuning of large language models on one GPU; host memory holds the state.")
@@ -36,6 +37,33 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _debug_option():
+    return typer.Option(False, "--debug", help="On an error, show the traceback instead of one message (for "
+                                               "developers).")
+
+
+@contextmanager
+def _answered(debug: bool):
+    """A mistake comes back as one message and its exit code (train/errors.py: 2 bad input, 3 would not
+    fit, 1 failed), never a traceback; --debug re-raises instead, traceback and all."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except TrainingError as err:
+        if debug:
+            raise
+        _fail(str(err), err.code)
+    except ValueError as err:  # RecipeError, DataError, CheckpointError, ModelLoadError: a bad input
+        if debug:
+            raise
+        _fail(str(err), 2)
+    except OSError as err:  # the filesystem said no half-way (a disk that filled since the checks)
+        if debug:
+            raise
+        _fail(f"{err} (--debug shows where)", 1)
+
+
 def _version(value: bool) -> None:
     if value:
         typer.echo(f"megatrain {__version__}")
@@ -57,20 +85,20 @@ def train(ctx: typer.Context,
                                      "says it will not fit."),
           gpus: Optional[int] = typer.Option(None, "--gpus", help="Data-parallel ranks (one GPU each; CPU "
                                              "processes on gloo without CUDA); train.grad_accum must be a "
-                                             "multiple. Under torchrun: its WORLD_SIZE.")) -> None:
-    """Train with RECIPE, then key=value overrides, e.g. `train.lr=1e-5 engine.checkpoint_interval=2`."""
-    overrides = list(ctx.args)
-    try:
-        r = load_recipe(recipe, overrides)
-    except RecipeError as err:
-        _fail(str(err))
-    if gpus is not None or "WORLD_SIZE" in os.environ:
-        from megatrain_cli.train.launch import train as train_dist
+                                             "multiple. Under torchrun: its WORLD_SIZE."),
+          debug: bool = _debug_option()) -> None:
+    """Train with RECIPE, then key=value overrides, e.g. `train.lr=1e-5 engine.checkpoint_interval=2`.
+    Exit codes: 0 done (a dry run: fits), 2 bad input, 3 will not fit (a dry run's verdict too)."""
+    with _answered(debug):
+        r = load_recipe(recipe, list(ctx.args))
+        if gpus is not None or "WORLD_SIZE" in os.environ:
+            from megatrain_cli.train.launch import train as train_dist
 
-        raise typer.Exit(train_dist(r, gpus, dry_run=dry_run, force=force))
-    from megatrain_cli.train.loop import run_training
+            raise typer.Exit(train_dist(r, gpus, dry_run=dry_run, force=force))
+        from megatrain_cli.train import loop
 
-    code = run_training(r, dry_run=dry_run, force=force)
+        # run_training answers errors with a message and a code; _train (--debug) lets them out whole.
+        code = (loop._train if debug else loop.run_training)(r, dry_run=dry_run, force=force)
     raise typer.Exit(code)
 
 
@@ -100,60 +128,48 @@ def bench(ctx: typer.Context,
                                        "no dashboard)."),
           output: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
           model: Optional[str] = typer.Option(None, help="Shorthand for model.preset=MODEL (the recipe's model.path "
-                                              "goes): tiny, 0.5b, 1.5b, 3b, 7b, 14b, 32b, 72b, llama3-8b."),
+                                              "goes): tiny, 0.5b ... 72b, llama3-8b, gemma2-9b, gemma3-12b, phi4-14b, "
+                                              "olmo2-7b, qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, gpt-oss-20b, "
+                                              "gpt-oss-120b (see model.preset)."),
           seq: Optional[str] = typer.Option(None, help="Shorthand for train.seq_len (512k = 524288)."),
           batch: Optional[int] = typer.Option(None, help="Shorthand for train.micro_batch_size."),
           grad_accum: Optional[int] = typer.Option(None, help="Shorthand for train.grad_accum."),
-          device: Optional[str] = typer.Option(None, help="Shorthand for engine.device (cuda, cpu or auto).")) -> None:
+          device: Optional[str] = typer.Option(None, help="Shorthand for engine.device (cuda, cpu or auto)."),
+          debug: bool = _debug_option()) -> None:
     """Time full training steps of RECIPE's model (default: recipes/bench.yaml, the 7B preset at 8 x 4096) on
     synthetic tokens, then key=value overrides as for `train`, e.g. `engine.checkpoint_interval=2`."""
     import torch
 
-    from megatrain_cli.bench.result import format_table, to_json
-    from megatrain_cli.bench.settings import BenchRun, bench_recipe, shorthands
+    from megatrain_cli.bench.settings import BASELINES, BenchRun, bench_problems, bench_recipe, shorthands
 
-    try:
-        short = shorthands(model=model, seq=seq, batch=batch, grad_accum=grad_accum, device=device)
-    except ValueError as err:
-        _fail(f"--seq: {err}")
-    try:
+    with _answered(debug):
+        try:
+            short = shorthands(model=model, seq=seq, batch=batch, grad_accum=grad_accum, device=device)
+        except ValueError as err:
+            _fail(f"--seq: {err}")
         r = bench_recipe(ctx.args, shorthand=short)
-    except RecipeError as err:
-        _fail(str(err))
-    baselines = {None: [], "native": ["native"], "deepspeed": ["deepspeed"], "both": ["native", "deepspeed"],
-                 "native,deepspeed": ["native", "deepspeed"]}.get(baseline)
-    if baselines is None:
-        _fail(f"--baseline: native, deepspeed or both, got {baseline!r}")
-    if steps < 1 or (warmup is not None and warmup < 0):
-        _fail(f"--steps must be >= 1 and --warmup >= 0, got {steps} and {warmup}")
-    if layers is not None and layers < 1:
-        _fail(f"--layers: expected a number >= 1, got {layers}")
-    if layers is not None and "deepspeed" in baselines:
-        _fail("--layers does not reach the DeepSpeed baseline (its child process builds the whole preset)")
-    if "deepspeed" in baselines and r.model.preset is None:
-        _fail("--baseline deepspeed: presets only (model.preset; its child process builds the preset)")
-    if r.model.path is not None and not Path(r.model.path).is_dir():
-        _fail(f"model.path does not exist: {r.model.path}")
-    if r.engine.device == "cuda" and not torch.cuda.is_available():
-        _fail("bench: engine.device is 'cuda' but there is no CUDA GPU (use --device cpu, i.e. engine.device=cpu, "
-              "for a functional run on a small preset)")
-    run = BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None)
-    if gpus is not None or "WORLD_SIZE" in os.environ:
-        _bench_ranks(r, run, gpus, refused=[f for f, on in (("--baseline", baselines), ("--frame", frame)) if on],
-                     as_json=as_json, output=output)
+        run = BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None)
+        # Every option and path before the plan: nothing is measured that would then be refused or lost.
+        problems = bench_problems(r, run, baseline=baseline, gpus=gpus, output=str(output) if output else None,
+                                  cuda=torch.cuda.is_available())
+        if problems:
+            _fail("\n  ".join(problems) if len(problems) == 1 else "bench:\n  " + "\n  ".join(problems))
+        if gpus is not None or "WORLD_SIZE" in os.environ:
+            _bench_ranks(r, run, gpus, as_json=as_json, output=output)
+        _bench_one(r, run, BASELINES[baseline], as_json=as_json, output=output)
+
+
+def _bench_one(r, run, baselines: list, *, as_json: bool, output: Optional[Path]) -> None:
+    """One process: plan (refused before allocating when it does not fit), the baselines, ours, the table."""
+    from megatrain_cli.bench.result import format_table, to_json
     from megatrain_cli.bench.runner import DoesNotFit, plan_bench, run_bench
 
     def err(message: str) -> None:
         typer.echo(message, err=True)
 
-    try:
-        planned = plan_bench(r, layers, log=err)
-    except ValueError as e:  # --layers of a model.path
-        _fail(str(e))
+    planned = plan_bench(r, run.layers, log=err)
     if planned.long_context and baselines:
         _fail(f"--baseline: the short-context path only (train.seq_len {r.train.seq_len} takes the long-context one)")
-    if baselines and planned.device.type != "cuda":
-        _fail("--baseline: the baselines run on a CUDA GPU")
     results = []
     if "deepspeed" in baselines:
         # First, in a watched child process: DeepSpeed gets the host memory to itself (ours is not
@@ -161,7 +177,7 @@ def bench(ctx: typer.Context,
         from megatrain_cli.bench.deepspeed import bench_deepspeed
 
         t = r.train
-        results.append(bench_deepspeed(r.model.preset, t.micro_batch_size * t.grad_accum, t.seq_len, steps,
+        results.append(bench_deepspeed(r.model.preset, t.micro_batch_size * t.grad_accum, t.seq_len, run.steps,
                                        warmup=run.warmup_steps(False), log=err, timeout_s=540))
     try:
         ours = run_bench(r, run, log=err, dashboard="off" if as_json else r.logging.dashboard, planned=planned)
@@ -187,16 +203,12 @@ def bench(ctx: typer.Context,
               else f"no timed step finished: {ours.notes}", 3)
 
 
-def _bench_ranks(r, run, gpus: Optional[int], *, refused: list, as_json: bool, output: Optional[Path]) -> None:
+def _bench_ranks(r, run, gpus: Optional[int], *, as_json: bool, output: Optional[Path]) -> None:
     """`bench --gpus N` (or under torchrun): megatrain_cli/bench/ranks.py; rank 0 prints and writes."""
     from megatrain_cli.bench.result import format_table, from_dict
     from megatrain_cli.bench.runner import DoesNotFit
     from megatrain_cli.bench.ranks import bench_ranks
 
-    if refused:
-        _fail(f"--gpus: not with {', '.join(refused)} (one engine per rank, measured alone)")
-    if gpus is not None and gpus < 1:
-        _fail(f"--gpus must be >= 1, got {gpus}")
     try:
         report = bench_ranks(r, run, gpus, log=lambda m: typer.echo(m, err=True))
     except (DoesNotFit, ValueError) as err:
@@ -230,41 +242,57 @@ def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory,
                                       "in host memory, every layer streams to the device each step: models larger "
                                       "than the GPU; decoding is bound by the host link) or auto (resident when "
                                       "it fits in free device memory; resident on CPU)."),
-             output_dir: Path = typer.Option(Path("."), help="Where results.json and predictions.jsonl go."),
-             device: str = typer.Option("auto", help="auto, cpu or cuda.")) -> None:
+             output_dir: Optional[Path] = typer.Option(None, help="Where results.json and predictions.jsonl go "
+                                                       "(default: MODEL/eval/; for preset:NAME, runs/eval/NAME/)."),
+             device: str = typer.Option("auto", help="auto, cpu or cuda."),
+             debug: bool = _debug_option()) -> None:
     """Exact-match accuracy of greedy answers on math word problems (MetaMathQA / GSM8K style), with
-    generated tokens/s, mode and wall time in results.json."""
+    generated tokens/s, mode and wall time in results.json. Exit codes: 2 bad input, 3 will not fit in
+    host memory (the smallest of /proc's and the cgroups' limits)."""
     from megatrain_cli.eval.run import run_eval
-    from megatrain_cli.eval.source import MODES, PRESET_PREFIX
+    from megatrain_cli.eval.source import MODES, PRESET_PREFIX, WouldNotFit
+    from megatrain_cli.train.model_files import check_model_dir
+    from megatrain_cli.train.preflight import check_output_dir
 
-    if not model.startswith(PRESET_PREFIX) and not Path(model).is_dir():
-        _fail(f"model directory not found: {model}")
-    if mode not in MODES:
-        _fail(f"--mode: expected one of {', '.join(MODES)}, got {mode!r}")
-    try:
-        run_eval(model, data, split=split, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                 output_dir=str(output_dir), device=device, mode=mode)
-    except ValueError as err:
-        _fail(str(err))
+    with _answered(debug):
+        if mode not in MODES:
+            _fail(f"--mode: expected one of {', '.join(MODES)}, got {mode!r}")
+        for option, value in (("--limit", limit), ("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
+            if value is not None and value < 1:
+                _fail(f"{option}: must be >= 1, got {value}")
+        if model.startswith(PRESET_PREFIX):
+            out = output_dir or Path("runs") / "eval" / model.removeprefix(PRESET_PREFIX)
+        else:
+            check_model_dir(model, "--model")
+            out = output_dir or Path(model) / "eval"
+        check_output_dir(out, "--output-dir")
+        try:
+            run_eval(model, data, split=split, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                     output_dir=str(out), device=device, mode=mode)
+        except WouldNotFit as err:
+            _fail(str(err), 3)
 
 
 @app.command()
-def export(checkpoint: Path = typer.Argument(..., help="A step_N checkpoint directory."),
-           out: Path = typer.Argument(..., help="Output directory (Hugging Face format)."),
-           dtype: str = typer.Option("bf16", help="bf16 or fp32.")) -> None:
+def export(checkpoint: Path = typer.Argument(..., help="A step_N checkpoint directory (or a run's output_dir: "
+                                             "its latest checkpoint)."),
+           out: Path = typer.Argument(..., help="Output directory (Hugging Face format): new, empty, or a previous "
+                                      "export (replaced only with --force)."),
+           dtype: str = typer.Option("bf16", help="bf16 or fp32."),
+           force: bool = typer.Option(False, "--force", help="Replace OUT when it holds a previous export."),
+           debug: bool = _debug_option()) -> None:
     """Export a training checkpoint as a Hugging Face model directory."""
     import torch
 
     from megatrain_cli.checkpoint import export_checkpoint
+    from megatrain_cli.train.preflight import check_export
 
-    if not checkpoint.is_dir():
-        _fail(f"checkpoint not found: {checkpoint}")
-    if dtype not in ("bf16", "fp32"):
-        _fail(f"--dtype: expected bf16 or fp32, got {dtype!r}")
-    try:
-        path = export_checkpoint(checkpoint, out, dtype=torch.bfloat16 if dtype == "bf16" else torch.float32)
-    except ValueError as err:  # CheckpointError: incomplete, corrupted or not a checkpoint
-        _fail(str(err))
+    with _answered(debug):
+        if dtype not in ("bf16", "fp32"):
+            _fail(f"--dtype: expected bf16 or fp32, got {dtype!r}")
+        torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        check_export(checkpoint, out, torch_dtype, force=force)
+        path = export_checkpoint(checkpoint, out, dtype=torch_dtype)
     typer.echo(f"exported {checkpoint} -> {path}")
 
 
@@ -289,15 +317,23 @@ def recipes_ls() -> None:
 
 @recipes_app.command("cp")
 def recipes_cp(name: str = typer.Argument(..., help="Recipe name, e.g. qwen7b."),
-               dest: Path = typer.Argument(..., help="Where to write the copy.")) -> None:
-    """Copy a shipped recipe to DEST for editing."""
+               dest: Path = typer.Argument(..., help="Where to write the copy (a file, or an existing folder)."),
+               force: bool = typer.Option(False, "--force", help="Overwrite DEST when it exists.")) -> None:
+    """Copy a shipped recipe to DEST for editing (an existing file is kept unless --force)."""
     src = _recipes_dir() / f"{name.removesuffix('.yaml')}.yaml"
     if not src.is_file():
         known = ", ".join(p.stem for p in sorted(_recipes_dir().glob("*.yaml")))
         _fail(f"no shipped recipe named '{name}' (known: {known})")
     if dest.is_dir():
         dest = dest / src.name
-    shutil.copyfile(src, dest)
+    if not dest.parent.is_dir():
+        _fail(f"DEST: the folder {dest.parent} does not exist; create it first (mkdir -p {dest.parent})")
+    if dest.exists() and not force:
+        _fail(f"DEST: {dest} exists (perhaps edited); --force overwrites it, or give another name")
+    try:
+        shutil.copyfile(src, dest)
+    except OSError as err:
+        _fail(f"DEST: cannot write {dest} ({err.strerror or err})")
     typer.echo(f"wrote {dest}")
 
 

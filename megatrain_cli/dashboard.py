@@ -8,6 +8,7 @@ Every value comes from a StepMetrics as measured; a None field prints 'n/a', nev
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from typing import Callable
 
@@ -18,7 +19,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from megatrain_cli.machine import host_memory_bytes
+from megatrain_cli.machine import host_limits
 from megatrain_cli.metrics.record import StepMetrics
 
 NA = "n/a"
@@ -133,12 +134,13 @@ class Dashboard:
         self.loss_history: deque[float] = deque(maxlen=48)
         self._header_printed = False
         self._live: Live | None = None
-        self._host_total = host_memory_bytes()  # read once: it does not change during a run
+        # The smallest ceiling, RAM or a cgroup's (a container's RSS is measured against that); read once.
+        self._host_total = min((limit.limit for limit in host_limits()), default=0) or None
 
     # -------------------------------------------------------- lifecycle
     def __enter__(self) -> "Dashboard":
         if self.mode == "rich":
-            self._start_live(Text(f"{self.title}: waiting for the first step...", style="dim"))
+            self._start_live(_Running(self.title))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -248,13 +250,27 @@ class Dashboard:
 
     def _memory_panel(self, m: StepMetrics) -> Panel:
         rss = fmt_bytes(m.host_rss_bytes)
-        if m.host_rss_bytes is not None:
+        if m.host_rss_bytes is not None and self._host_total:
             rss += f" of {fmt_bytes(self._host_total)}"
         return _panel("memory", [
             ("GPU memory", fmt_bytes(m.gpu_mem_bytes)),
             ("host RSS", rss),
             ("pinned", fmt_bytes(m.pinned_bytes)),
         ])
+
+
+class _Running:
+    """The rich view until the first metrics arrive. Steps may already be running (metrics come every
+    logging.every_n_steps steps), so it says how long the run has been going, not that it waits; Live
+    re-renders it at each refresh, so the clock moves."""
+
+    def __init__(self, title: str):
+        self.title = title
+        self.started = time.monotonic()
+
+    def __rich__(self) -> Text:
+        return Text(f"{self.title}: running for {fmt_duration(time.monotonic() - self.started)}; the first "
+                    f"metrics show at the first logged step (logging.every_n_steps)", style="dim")
 
 
 def _noted(value: str, note: str) -> str:

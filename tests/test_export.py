@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,3 +165,21 @@ def test_a_converted_checkpoint_exports_names_from_pretrained_reads(tmp_path, mo
     with torch.no_grad():
         torch.testing.assert_close(model.eval()(input_ids=ids).logits, source(input_ids=ids).logits,
                                    rtol=0, atol=1e-6)
+
+
+def test_checkpoint_carries_the_source_generation_config_to_export(tmp_path):
+    """A run from a model directory seals that model's generation_config.json into each checkpoint, so
+    `megatrain export CHECKPOINT` carries it on byte for byte (issue #18 item 10)."""
+    from megatrain_cli.checkpoint import export_checkpoint, save_checkpoint
+    from megatrain_cli.models.loader import build_store
+    from tests.reference import tiny_config
+
+    source = tmp_path / "model"
+    source.mkdir()
+    own = b'{"eos_token_id": [2, 7], "temperature": 0.6, "top_p": 0.9}\n'
+    (source / "generation_config.json").write_bytes(own)
+    store = build_store(tiny_config("llama", layers=1), torch.float32, seed=0)
+    ckpt = save_checkpoint(store, tmp_path / "run", 1, {"step": 1}, source_dir=source)
+    assert (ckpt / "generation_config.json").read_bytes() == own
+    out = export_checkpoint(ckpt, tmp_path / "export", dtype=torch.float32)
+    assert (Path(out) / "generation_config.json").read_bytes() == own

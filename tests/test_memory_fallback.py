@@ -235,7 +235,7 @@ def test_train_runs_the_memory_lean_path_or_refuses_with_both_plans(tmp_path, ca
 
     out = tmp_path / "lean"
     common = ["train.steps=1", "eval.enabled=false", "logging.dashboard=plain", "logging.every_n_steps=1",
-              "checkpoint.every_n_steps=0", "checkpoint.export_final=false"]
+              "checkpoint.every_n_steps=null", "checkpoint.export_final=false"]
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         code = run_training(tiny_recipe(*common, f"engine.max_gpu_mem={lean_train_budget()}B", f"output_dir={out}"))

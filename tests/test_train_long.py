@@ -92,9 +92,10 @@ def test_dry_run_short_context_names_its_path(capsys):
 def test_dry_run_reports_a_plan_that_does_not_fit(capsys):
     r = load_recipe(TINY, ["train.seq_len=524288", "train.micro_batch_size=1", "data.packing=false",
                            "engine.max_gpu_mem=2GiB"])
-    assert run_training(r, dry_run=True) == 0
+    assert run_training(r, dry_run=True) == 3  # the verdict is the exit code
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "would not fit: predicted device peak" in out
+    assert "verdict for this machine: will not fit:" in out
 
 
 def test_dry_run_for_cuda_without_a_budget_asks_for_max_gpu_mem(capsys):

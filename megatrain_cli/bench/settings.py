@@ -153,3 +153,55 @@ def bench_model_config(r: Recipe, layers: int | None = None):
 def model_name(r: Recipe) -> str:
     """The preset, or the model directory's name."""
     return r.model.preset if r.model.preset is not None else Path(r.model.path).name
+
+
+BASELINES = {None: [], "native": ["native"], "deepspeed": ["deepspeed"], "both": ["native", "deepspeed"],
+             "native,deepspeed": ["native", "deepspeed"]}
+
+
+def bench_problems(r: Recipe, run: BenchRun, *, baseline: str | None, gpus: int | None, output: str | None,
+                   cuda: bool) -> list[str]:
+    """Everything wrong with a bench's options and recipe that can be seen before planning: each problem
+    names its option or key. Checked up front, so a bench never measures for minutes and then refuses
+    (a baseline that cannot run on this device, an --output that cannot be written). `cuda`: whether
+    this machine has a CUDA device."""
+    from megatrain_cli.train.errors import TrainingError
+    from megatrain_cli.train.model_files import check_model_dir
+    from megatrain_cli.train.preflight import check_output_file
+
+    problems = []
+    baselines = BASELINES.get(baseline)
+    if baselines is None:
+        problems.append(f"--baseline: native, deepspeed or both, got {baseline!r}")
+        baselines = []
+    if run.steps < 1 or (run.warmup is not None and run.warmup < 0):
+        problems.append(f"--steps must be >= 1 and --warmup >= 0, got {run.steps} and {run.warmup}")
+    if run.layers is not None and run.layers < 1:
+        problems.append(f"--layers: expected a number >= 1, got {run.layers}")
+    if run.layers is not None and "deepspeed" in baselines:
+        problems.append("--layers does not reach the DeepSpeed baseline (its child process builds the whole preset)")
+    if "deepspeed" in baselines and r.model.preset is None:
+        problems.append("--baseline deepspeed: presets only (model.preset; its child process builds the preset)")
+    if r.engine.device == "cuda" and not cuda:
+        problems.append("bench: engine.device is 'cuda' but there is no CUDA GPU (use --device cpu, i.e. "
+                        "engine.device=cpu, for a functional run on a small preset)")
+    elif baselines and (r.engine.device == "cpu" or not cuda):
+        problems.append(f"--baseline {baseline}: the baselines run on a CUDA GPU, and this bench runs on the CPU "
+                        f"(engine.device={r.engine.device}); drop --baseline, or bench on a CUDA machine")
+    if gpus is not None and gpus < 1:
+        problems.append(f"--gpus must be >= 1, got {gpus}")
+    if gpus is not None and (baselines or run.frame):
+        refused = [f for f, on in (("--baseline", baselines), ("--frame", run.frame)) if on]
+        problems.append(f"--gpus: not with {', '.join(refused)} (one engine per rank, measured alone)")
+    for option, path in (("--output", output), ("--frame", run.frame)):
+        try:
+            if path is not None:
+                check_output_file(path, option)
+        except TrainingError as err:
+            problems.append(str(err))
+    if r.model.path is not None:
+        try:
+            check_model_dir(r.model.path, "model.path", r.model.trust_remote_code)
+        except TrainingError as err:
+            problems.append(str(err))
+    return problems

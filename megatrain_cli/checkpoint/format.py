@@ -4,15 +4,21 @@ durable (fsync) and published atomically (rename).
 
 Nothing here knows what a checkpoint holds (layout.py does); export.py writes its shards with the same
 pieces, so a Hugging Face export and a checkpoint tile are written by one safetensors writer.
+
+A write that cannot finish (a full disk, an I/O error, an exception, Ctrl-C) leaves nothing behind: its
+free space is checked first (check_free_space) and its temp dir removed on any failure
+(removed_on_failure), so a full disk never keeps a partial folder that holds the space.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 import struct
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +29,11 @@ CHUNK_BYTES = 64 << 20  # I/O and CRC granularity; also keeps every write() belo
 
 class CheckpointError(ValueError):
     pass
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint (or export) could not be written: not enough space, or an OS error while writing. Its
+    temp dir is gone and the earlier checkpoints are intact; the trainer exits 1 with this message."""
 
 
 # ---------------------------------------------------------------- raw safetensors
@@ -137,3 +148,51 @@ def publish_dir(tmp: Path, final: Path) -> None:
     fsync_dir(final.parent)
     if old.exists():
         shutil.rmtree(old)
+
+
+# ---------------------------------------------------------------- free space, failed writes
+def human_bytes(n: float) -> str:
+    units = ("bytes", "KiB", "MiB", "GiB", "TiB")
+    k = 0
+    while abs(n) >= 1024 and k < len(units) - 1:
+        n, k = n / 1024, k + 1
+    return f"{n:.0f} bytes" if k == 0 else f"{n:.1f} {units[k]}"
+
+
+def check_free_space(directory: Path, need: int, what: str) -> None:
+    """Refuse before the first byte is written when `directory`'s file system has less than `need` free (the
+    new checkpoint is complete before rotation deletes an old one, so it needs its whole size)."""
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise CheckpointWriteError(f"not enough free space to write {what} in {directory}: it needs "
+                                   f"{human_bytes(need)}, {human_bytes(free)} are free. Nothing was written and "
+                                   "the earlier checkpoints are intact; free some space (or move output_dir to a "
+                                   "larger disk) and resume with checkpoint.resume=auto")
+
+
+@contextmanager
+def removed_on_failure(tmp: Path, what: str, need: int | None = None, where: Path | None = None):
+    """Remove the temp dir `tmp` when the block fails in any way (an exception, KeyboardInterrupt, SystemExit),
+    then re-raise; an OSError (ENOSPC mid-write, EIO, ...) becomes CheckpointWriteError saying so (`where`:
+    the directory the message names, tmp's parent by default)."""
+    where = tmp.parent if where is None else where
+    try:
+        yield
+    except BaseException as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, OSError):
+            free = shutil.disk_usage(where).free
+            full = " (the disk is full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            needs = f"; it needs {human_bytes(need)}" if need is not None else ""
+            raise CheckpointWriteError(f"writing {what} in {where} failed{full}: {err.strerror or err} "
+                                       f"({human_bytes(free)} free{needs}). Its partial files were removed and "
+                                       "the earlier checkpoints are intact") from err
+        raise
+
+
+def remove_interrupted(output_dir: Path) -> None:
+    """Temp dirs (.step_*.tmp) left by writes that were killed: never complete, only holding space. Only
+    output_dir's one writer (train/lock.py) calls this, so no write in progress is among them."""
+    for stale in output_dir.glob(".step_*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale)

@@ -20,7 +20,9 @@ copy of the model in RAM; loading reads straight into the views the same way.
 
 Atomicity: everything is written into output_dir/.step_{N}.tmp, each file fsynced, the directory
 fsynced, then renamed to step_{N} and the parent fsynced. A crash at any point leaves the earlier
-checkpoints untouched and never a step_* directory that looks complete but is not.
+checkpoints untouched and never a step_* directory that looks complete but is not. A write that fails
+(the disk full, an I/O error, an exception) removes its temp dir (format.removed_on_failure); one that was
+killed leaves it, and the next save removes it (format.remove_interrupted).
 """
 
 from __future__ import annotations
@@ -64,6 +66,12 @@ def _tile_entries(tile: Tile) -> list[tuple[str, str, tuple[int, ...], int, int]
     return [(f"{section}/{slot.name}", "F32", slot.shape, k * section_bytes + slot.offset * 4,
              k * section_bytes + (slot.offset + slot.numel) * 4)
             for k, section in enumerate(SECTIONS) for slot in tile.layout.slots]
+
+
+def tile_file_bytes(tile: Tile) -> int:
+    """The size write_tile gives the tile's file (header + three fp32 sections)."""
+    return len(safetensors_header(_tile_entries(tile), {"format": FORMAT, "tile": tile.name,
+                                                         "step": str(tile.step)})) + 3 * tile.numel * 4
 
 
 def write_tile(tile: Tile, path: Path) -> dict[str, Any]:
@@ -110,6 +118,9 @@ def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str
 
 
 # ---------------------------------------------------------------- the rest of a checkpoint, and its publication
+SIDE_FILES_BYTES = 32 << 20  # room asked for trainer_state, config and tokenizer (a large tokenizer.json: ~10 MiB)
+
+
 def model_summary(store: HostStore) -> dict[str, Any]:
     """The manifest's "model": what a loader compares before reading any tile."""
     a = store.adapter
@@ -117,11 +128,16 @@ def model_summary(store: HostStore) -> dict[str, Any]:
             "vocab_size": a.vocab_size, "tied_embeddings": a.tied, "num_params": store.num_params()}
 
 
-def write_side_files(tmp: Path, store, state_bytes: bytes, tokenizer) -> dict[str, dict[str, int]]:
-    """trainer_state.json, config.json and the tokenizer, each fsynced; their manifest entries."""
+def write_side_files(tmp: Path, store, state_bytes: bytes, tokenizer, source_dir=None) -> dict[str, dict[str, int]]:
+    """trainer_state.json, config.json, the tokenizer and the source model's generation_config.json (its
+    end-of-turn ids and sampling defaults, which `megatrain export` carries on), each fsynced; their
+    manifest entries."""
     files = {TRAINER_STATE: write_file_durably(tmp / TRAINER_STATE, state_bytes)}
     store.adapter.config.save_pretrained(str(tmp))  # writes tmp/config.json
     files.update(seal_file(tmp / "config.json", tmp))
+    generation = Path(source_dir) / "generation_config.json" if source_dir else None
+    if generation is not None and generation.is_file():
+        files[generation.name] = write_file_durably(tmp / generation.name, generation.read_bytes())
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / "tokenizer"))
         files.update(seal_tree(tmp / "tokenizer", tmp))
@@ -185,6 +201,22 @@ def _is_complete(path: Path) -> bool:
         return True
     except CheckpointError:
         return False
+
+
+def checkpoints_newest_first(output_dir: str | Path) -> list[tuple[Path, str | None]]:
+    """Every step_* directory under output_dir, newest first, with why it is not complete (None: it is;
+    stats only). `checkpoint.resume: auto` says which ones it passes over and why."""
+    found = []
+    for _, path in _step_dirs(Path(output_dir)):
+        if not (path / MANIFEST).is_file():
+            found.append((path, f"no {MANIFEST}: not a complete checkpoint"))
+            continue
+        try:
+            read_manifest(path)
+            found.append((path, None))
+        except CheckpointError as e:
+            found.append((path, str(e).removeprefix(f"{path}: ")))
+    return found
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:

@@ -33,6 +33,12 @@ def load_tiles(store: HostStore, path: str | Path, sections: tuple[str, ...] = S
     return manifest
 
 
+def checkpoint_step(path: str | Path) -> int:
+    """The step a checkpoint was written at, from its manifest (checked complete by file sizes: stats only,
+    no data read): what a resume decides on before anything is built or written."""
+    return int(read_manifest(Path(path))["step"])
+
+
 def load_checkpoint(store: HostStore, path: str | Path) -> dict:
     """Restore masters, Adam moments and step counts into `store` (a whole one, or one rank's
     ShardedHostStore); returns the trainer state. The grad section is left as it is (the trainer zeroes

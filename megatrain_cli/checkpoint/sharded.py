@@ -28,49 +28,95 @@ from typing import Any
 
 import torch
 
-from megatrain_cli.checkpoint.format import (CHUNK_BYTES, CheckpointError, fsync_dir, read_safetensors_header,
-                                             tensor_bytes)
-from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, VERSION, event, model_summary, read_tile,
-                                             seal_and_publish, write_side_files, write_tile)
+from megatrain_cli.checkpoint.format import (CHUNK_BYTES, CheckpointError, CheckpointWriteError, check_free_space,
+                                             fsync_dir, read_safetensors_header, remove_interrupted,
+                                             removed_on_failure, tensor_bytes)
+from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES, VERSION, event, model_summary,
+                                             read_tile, seal_and_publish, tile_file_bytes, write_side_files,
+                                             write_tile)
 
 
 def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_state: dict,
-                            keep_last_n: int = 2, *, tokenizer=None) -> Path:
+                            keep_last_n: int = 2, *, tokenizer=None, source_dir=None) -> Path:
     """whole.save_checkpoint for one rank of a ShardedHostStore; a collective (every rank calls it, on a
-    file system all ranks share): two barriers and an all-gather of the tile entries; each rank pays an
-    fsync per tile file it writes."""
+    file system all ranks share): three all-gathers of small objects and a broadcast; each rank pays an
+    fsync per tile file it writes. Every rank raises the same CheckpointWriteError when any rank cannot
+    write (not enough space for all the shards, an OS error): the ranks decide together, so none waits
+    for a rank that gave up, and rank 0 removes the temp dir."""
+    try:
+        return _save(store, Path(output_dir), step, trainer_state, keep_last_n, tokenizer, source_dir)
+    except BaseException:  # a peer gone mid-collective, or any other failure: no partial folder left
+        if store.rank == 0:
+            shutil.rmtree(Path(output_dir) / f".step_{step}.tmp", ignore_errors=True)
+        raise
+
+
+def _save(store, output_dir: Path, step: int, trainer_state: dict, keep_last_n: int, tokenizer, source_dir) -> Path:
     import torch.distributed as dist
 
-    output_dir = Path(output_dir)
     rank, world, group = store.rank, store.world, store.cpu_group
     state_bytes = (json.dumps(trainer_state, indent=2) + "\n").encode()
     final, tmp = output_dir / f"step_{step}", output_dir / f".step_{step}.tmp"
+    mine_bytes = sum(tile_file_bytes(t) for t in store.tiles.values()) + (SIDE_FILES_BYTES if rank == 0 else 0)
+    need = sum(_gather(mine_bytes, world, group))
+    problem = None
     if rank == 0:
-        if not output_dir.is_dir():
-            output_dir.mkdir(parents=True)
-            fsync_dir(output_dir.parent)
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        (tmp / "tiles").mkdir(parents=True)
-    dist.barrier(group=group)
-    mine = tmp / "tiles" / f"rank{rank}"
-    mine.mkdir()
-    tiles = []
-    for name, tile in store.tiles.items():
-        rel = f"tiles/rank{rank}/{name}.safetensors"
-        tiles.append({"name": name, "file": rel, "shard": store.shards[name].shard, **write_tile(tile, tmp / rel)})
-        event("tile_written", name)
-    fsync_dir(mine)
-    shards: list = [None] * world
-    dist.all_gather_object(shards, tiles, group=group)
+        try:
+            if not output_dir.is_dir():
+                output_dir.mkdir(parents=True)
+                fsync_dir(output_dir.parent)
+            remove_interrupted(output_dir)
+            check_free_space(output_dir, need, final.name)
+            (tmp / "tiles").mkdir(parents=True)
+        except (OSError, CheckpointError) as e:
+            problem = e
+    _raise_any(_gather(problem and str(problem), world, group), tmp, rank)
+    tiles, problem = [], None
+    try:
+        with removed_on_failure(tmp / "tiles" / f"rank{rank}", final.name, need, where=output_dir):
+            mine = tmp / "tiles" / f"rank{rank}"
+            mine.mkdir()
+            for name, tile in store.tiles.items():
+                rel = f"tiles/rank{rank}/{name}.safetensors"
+                tiles.append({"name": name, "file": rel, "shard": store.shards[name].shard,
+                              **write_tile(tile, tmp / rel)})
+                event("tile_written", name)
+            fsync_dir(mine)
+    except CheckpointError as e:
+        problem = str(e)
+    shards = _gather((tiles, problem), world, group)
+    _raise_any([p for _, p in shards], tmp, rank)
     if rank == 0:
-        fsync_dir(tmp / "tiles")
-        files = write_side_files(tmp, store, state_bytes, tokenizer)
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
-                    "world": world, "tiles": [], "shards": shards, "files": files}
-        seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
-    dist.barrier(group=group)
+        try:
+            with removed_on_failure(tmp, final.name, need):
+                fsync_dir(tmp / "tiles")
+                files = write_side_files(tmp, store, state_bytes, tokenizer, source_dir)
+                manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
+                            "world": world, "tiles": [], "shards": [t for t, _ in shards], "files": files}
+                seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
+        except (OSError, CheckpointError) as e:
+            problem = str(e)
+    done = [problem]
+    dist.broadcast_object_list(done, src=0, group=group)  # also the barrier: published before anyone goes on
+    _raise_any(done, tmp, rank)
     return final
+
+
+def _gather(obj, world: int, group) -> list:
+    import torch.distributed as dist
+
+    out: list = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _raise_any(problems: list, tmp: Path, rank: int) -> None:
+    """The same CheckpointWriteError on every rank when any rank had a problem; rank 0 removes the temp dir."""
+    found = [f"rank {r}: {p}" for r, p in enumerate(problems) if p]
+    if found:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(found[0] if len(found) == 1 else "; ".join(found))
 
 
 def load_rank(store, path: Path, manifest: dict[str, Any]) -> None:

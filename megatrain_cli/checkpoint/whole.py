@@ -8,20 +8,22 @@ tile; reading fills the views straight from the files the same way.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
-from megatrain_cli.checkpoint.format import CheckpointError, fsync_dir
-from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, VERSION, event, model_summary, read_tile,
-                                             seal_and_publish, write_side_files, write_tile)
+from megatrain_cli.checkpoint.format import (CheckpointError, check_free_space, fsync_dir, remove_interrupted,
+                                             removed_on_failure)
+from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES, VERSION, event, model_summary,
+                                             read_tile, seal_and_publish, tile_file_bytes, write_side_files,
+                                             write_tile)
 from megatrain_cli.store.tiles import HostStore
 
 
 def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer_state: dict,
-                    keep_last_n: int = 2, *, tokenizer=None) -> Path:
+                    keep_last_n: int = 2, *, tokenizer=None, source_dir=None) -> Path:
     """Write output_dir/step_{step}/ atomically, then keep only the newest `keep_last_n` checkpoints
-    (the one just written is always kept). Returns the checkpoint path."""
+    (the one just written is always kept). Returns the checkpoint path. Not enough free space, or a write
+    that fails, raises CheckpointWriteError with nothing of the new checkpoint left (format.py)."""
     output_dir = Path(output_dir)
     # Serialise first, so a non-JSON value fails before anything is written.
     state_bytes = (json.dumps(trainer_state, indent=2) + "\n").encode()
@@ -29,20 +31,21 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
         output_dir.mkdir(parents=True)
         fsync_dir(output_dir.parent)  # make the new directory's own entry durable
     final, tmp = output_dir / f"step_{step}", output_dir / f".step_{step}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)  # left by a crashed save of the same step
-    (tmp / "tiles").mkdir(parents=True)
-
-    tiles = []
-    for name, tile in store.tiles.items():
-        rel = f"tiles/{name}.safetensors"
-        tiles.append({"name": name, "file": rel, **write_tile(tile, tmp / rel)})
-        event("tile_written", name)
-    files = write_side_files(tmp, store, state_bytes, tokenizer)
-    fsync_dir(tmp / "tiles")
-    manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
-                "tiles": tiles, "files": files}
-    seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
+    remove_interrupted(output_dir)  # temp dirs of killed saves (this step's included): only holding space
+    need = sum(tile_file_bytes(t) for t in store.tiles.values()) + SIDE_FILES_BYTES
+    check_free_space(output_dir, need, final.name)
+    with removed_on_failure(tmp, final.name, need):
+        (tmp / "tiles").mkdir(parents=True)
+        tiles = []
+        for name, tile in store.tiles.items():
+            rel = f"tiles/{name}.safetensors"
+            tiles.append({"name": name, "file": rel, **write_tile(tile, tmp / rel)})
+            event("tile_written", name)
+        files = write_side_files(tmp, store, state_bytes, tokenizer, source_dir)
+        fsync_dir(tmp / "tiles")
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
+                    "tiles": tiles, "files": files}
+        seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
     return final
 
 

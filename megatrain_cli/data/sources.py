@@ -46,6 +46,20 @@ def read_records(source: str, split: str | None = None, *, default_split: str = 
     return _check_records(records, source), source
 
 
+def check_source(source: str, key: str = "data.source") -> None:
+    """Raise DataError, naming `key`, when `source` cannot be there: an unknown built-in or a local path
+    that does not exist. Reads no record (the pre-flight check runs it before anything is built); a hub
+    name is left to the loader, which may need the network."""
+    if source.startswith("builtin:"):
+        if source[len("builtin:"):] not in BUILTIN_SOURCES:
+            raise DataError(f"{key}: unknown built-in data set {source!r} "
+                            f"(known: {', '.join('builtin:' + k for k in BUILTIN_SOURCES)})")
+        return
+    path = Path(source).expanduser()
+    if not path.exists() and _looks_like_path(source):
+        raise DataError(f"{key}: data file not found: {path}")
+
+
 def _looks_like_path(source: str) -> bool:
     """A name that can only be meant as a local path (a hub name is `owner/name`, no suffix)."""
     return (source.startswith((".", "/", "~")) or source.lower().endswith(FILE_SUFFIXES + (".csv",))

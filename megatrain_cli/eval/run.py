@@ -21,8 +21,8 @@ from megatrain_cli.data.prompts import default_prefix_ids, encode_prompt, eos_id
     stop_strings, uses_chat_template
 from megatrain_cli.data.answers import answers_match, extract_answer
 from megatrain_cli.eval.generate import generate_greedy
-from megatrain_cli.eval.source import choose_mode, load_resident, load_streamed, model_eos_ids, num_params, \
-    resolve_model
+from megatrain_cli.eval.source import check_host_memory, choose_mode, host_bytes, load_resident, load_streamed, \
+    model_eos_ids, num_params, resolve_model
 from megatrain_cli.models.tokenizer import has_tokenizer_files, load_bundled_tokenizer, load_tokenizer_dir
 from megatrain_cli.recipe import DataConfig
 
@@ -45,15 +45,17 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
     """
     started = time.perf_counter()
     log = log or (lambda _msg: None)
+    # The settings first, then the data, then the memory check: all before the model is loaded.
     if split not in SPLITS:
         raise ValueError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
-    if batch_size < 1 or max_new_tokens < 1:
-        raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
+    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("limit", limit)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name}: must be >= 1, got {value}")
+    dev = resolve_device(device)
     cfg = data_cfg or DataConfig(source=data_source, format=data_format, template=template,
                                  test_fraction=test_fraction, split_seed=split_seed)
     examples = select_examples(cfg, split, limit)
 
-    dev = resolve_device(device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokenizer = load_eval_tokenizer(model_path)
     prefix = default_prefix_ids(tokenizer)
@@ -64,6 +66,7 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
     source = resolve_model(model_path, len(tokenizer), max_positions)
     params = num_params(source.config)
     chosen, why = choose_mode(mode, source, params, dev, dtype, batch_size, max_positions)
+    check_host_memory(chosen, host_bytes(chosen, source, params, dev, dtype, batch_size, max_positions))
     log(f"eval: {chosen} ({why})")
     t0 = time.perf_counter()
     model = (load_resident if chosen == "resident" else load_streamed)(source, dev, dtype)
@@ -113,15 +116,16 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
     return results
 
 
-def select_examples(cfg: DataConfig, split: str, limit: int | None):
-    """The examples of `split` (the trainer's seeded split), at most `limit`, each with a gold answer."""
-    examples = load_examples(cfg)
+def select_examples(cfg: DataConfig, split: str, limit: int | None, examples=None):
+    """The examples of `split` (the trainer's seeded split), at most `limit`, each with a gold answer.
+    `examples`: cfg's examples when the caller has read them already."""
+    examples = load_examples(cfg) if examples is None else examples
     if split != "all":
         train, test = split_examples(examples, cfg)
         examples = test if split == "test" else train
     if limit is not None:
         if limit < 1:
-            raise ValueError(f"limit must be >= 1, got {limit}")
+            raise ValueError(f"limit: must be >= 1, got {limit}")
         examples = examples[:limit]
     if not examples:
         raise DataError(f"{cfg.source}: the {split} split is empty (test_fraction={cfg.test_fraction})")

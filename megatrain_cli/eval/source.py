@@ -18,6 +18,11 @@ PRESET_PREFIX = "preset:"
 MODES = ("auto", "resident", "streamed")
 PRESET_SEED = 0  # the same random weights in both modes, so their outputs can be compared
 GIB = 1024 ** 3
+HOST_HEADROOM = 0.95  # as the training plan: a need past 95% of the free host memory is refused
+
+
+class WouldNotFit(ValueError):
+    """The generation's host memory need is past the smallest host limit (exit 3 from `megatrain eval`)."""
 
 
 @dataclass
@@ -107,6 +112,32 @@ def choose_mode(mode: str, source: ModelSource, params: int | None, device: torc
     free, _total = torch.cuda.mem_get_info(device)
     chosen = "resident" if need < free else "streamed"
     return chosen, f"auto: resident needs ~{need / GIB:.1f} GiB, {free / GIB:.1f} GiB free"
+
+
+def host_bytes(mode: str, source: ModelSource, params: int | None, device: torch.device, dtype: torch.dtype,
+               batch_size: int, max_positions: int) -> int | None:
+    """Host memory the generation takes, None when it cannot be told (an architecture we cannot count).
+    Streamed: the fp32 masters of a HostStore (4 B/param; the optimizer sections are never touched).
+    Resident on the CPU: the model, its KV cache and a margin (resident_bytes). Resident on CUDA: the
+    weights pass through host memory once, in `dtype` from a folder, as fp32 masters for a preset."""
+    if params is None:
+        return None
+    if mode == "streamed" or (device.type == "cuda" and source.directory is None):
+        return params * 4 + GIB // 2
+    if device.type == "cuda":
+        return params * torch.empty((), dtype=dtype).element_size() + GIB // 2
+    return resident_bytes(source.config, params, dtype, batch_size, max_positions)
+
+
+def check_host_memory(mode: str, need: int | None) -> None:
+    """Raise WouldNotFit when `need` bytes are past the smallest host limit (/proc or a cgroup's)."""
+    from megatrain_cli.machine import effective_host_limit
+
+    limit = effective_host_limit()
+    if need is not None and limit.available and need > HOST_HEADROOM * limit.available:  # 0: unknown
+        raise WouldNotFit(f"eval: {mode} generation needs about {need / GIB:.2f} GiB of host memory, more than "
+                          f"the smallest host limit allows ({limit.describe()}). Use a machine or job with more "
+                          f"memory, or a smaller --batch-size or --max-new-tokens (the KV cache)")
 
 
 # ---------------------------------------------------------------- loading

@@ -12,8 +12,8 @@ from megatrain_cli.metrics.record import StepMetrics
 class JsonlLog:
     """Appends one JSON object per step to a file, flushed at once so a crash loses nothing.
 
-    Append, not truncate: a resumed run continues the same file (plot.py keeps the last record of
-    a step that appears twice).
+    Append, not truncate: a resumed run continues the same file, after keep_steps_up_to has dropped the
+    records of the steps it redoes, so each step appears once.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -37,6 +37,32 @@ class JsonlLog:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def keep_steps_up_to(path: str | os.PathLike, step: int) -> int:
+    """Drop the records of steps after `step` (the step a run resumes at; 0: a fresh start) and a line torn
+    by a kill, so that the steps the run does again are not logged twice. The file is rewritten atomically
+    (a temp file, fsync, rename) and only when something is dropped; returns how many lines were."""
+    path = Path(path)
+    if not path.is_file():
+        return 0
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step and line.endswith("\n"):
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass  # a torn last line, or not a record of ours
+    if len(kept) == len(lines):
+        return 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(kept)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return len(lines) - len(kept)
 
 
 def tensorboard_available() -> bool:

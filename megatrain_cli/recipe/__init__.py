@@ -1,9 +1,11 @@
-"""The recipe: one typed schema (schema.py) and how a YAML file plus overrides becomes one (load.py)."""
+"""The recipe: one typed schema (schema.py), the rules its values obey (checks.py) and how a YAML file plus
+overrides becomes one (load.py)."""
 
-from megatrain_cli.recipe.load import apply_overrides, load_recipe, parse_bytes, render_yaml, schema_help, to_dict
+from megatrain_cli.recipe.checks import parse_bytes, parse_duration
+from megatrain_cli.recipe.load import apply_overrides, load_recipe, render_yaml, schema_help, to_dict
 from megatrain_cli.recipe.schema import (CheckpointConfig, DataConfig, EngineConfig, EvalConfig, LoggingConfig,
                                          ModelConfig, Recipe, RecipeError, TrainConfig)
 
 __all__ = ["CheckpointConfig", "DataConfig", "EngineConfig", "EvalConfig", "LoggingConfig", "ModelConfig", "Recipe",
-           "RecipeError", "TrainConfig", "apply_overrides", "load_recipe", "parse_bytes", "render_yaml",
-           "schema_help", "to_dict"]
+           "RecipeError", "TrainConfig", "apply_overrides", "load_recipe", "parse_bytes", "parse_duration",
+           "render_yaml", "schema_help", "to_dict"]

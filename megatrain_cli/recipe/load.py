@@ -2,7 +2,7 @@
 
 `load_recipe` reads YAML, applies dotted overrides (`train.lr=1e-5`, `~eval` to delete a key), checks
 every key and type against recipe/schema.py, and raises `RecipeError` listing *all* problems at once
-with their dotted paths and a did-you-mean for near misses. `render_yaml` and `schema_help` print the
+with their dotted paths and a did-you-mean for near misses (the value rules: recipe/checks.py). `render_yaml` and `schema_help` print the
 resolved recipe and the schema.
 """
 
@@ -17,6 +17,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from megatrain_cli.recipe.checks import check_semantics, non_finite
 from megatrain_cli.recipe.schema import Recipe, RecipeError
 
 # ---------------------------------------------------------------- type checking
@@ -98,80 +99,11 @@ def _build(cls: type, data: Any, path: str, problems: list[str]) -> Any:
         if not ok:
             problems.append(f"{dotted}: expected {_type_name(tp)}, got {value!r}")
             continue
+        if non_finite(coerced):
+            problems.append(f"{dotted}: must be a finite number, got {value!r}")
+            continue
         kwargs[key] = coerced
     return cls(**kwargs)
-
-
-# ---------------------------------------------------------------- cross-field checks
-def _check_semantics(r: Recipe, problems: list[str]) -> None:
-    from megatrain_cli.presets import PRESETS
-
-    m, t, e = r.model, r.train, r.engine
-    if (m.path is None) == (m.preset is None):
-        problems.append("model: set exactly one of model.path and model.preset")
-    if m.preset is not None and m.preset not in PRESETS:
-        near = difflib.get_close_matches(m.preset, list(PRESETS), n=1)
-        hint = f"; did you mean '{near[0]}'?" if near else ""
-        problems.append(f"model.preset: unknown preset '{m.preset}'{hint} (known: {', '.join(PRESETS)})")
-    if (t.steps is None) == (t.epochs is None):
-        problems.append("train: set exactly one of train.steps and train.epochs")
-    for name in ("steps", "micro_batch_size", "grad_accum", "seq_len"):
-        value = getattr(t, name)
-        if value is not None and value < 1:
-            problems.append(f"train.{name}: must be >= 1, got {value}")
-    if t.epochs is not None and t.epochs <= 0:
-        problems.append(f"train.epochs: must be > 0, got {t.epochs}")
-    if t.lr <= 0:
-        problems.append(f"train.lr: must be > 0, got {t.lr}")
-    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
-        problems.append(f"train.betas: expected two numbers in [0, 1), got {t.betas!r}")
-    if t.max_grad_norm is not None and t.max_grad_norm <= 0:
-        problems.append(f"train.max_grad_norm: must be > 0 or null, got {t.max_grad_norm}")
-    if not 0.0 <= t.min_lr_ratio <= 1.0:
-        problems.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
-    if t.warmup_steps < 0:
-        problems.append(f"train.warmup_steps: must be >= 0, got {t.warmup_steps}")
-    if e.checkpoint_interval < 1:
-        problems.append(f"engine.checkpoint_interval: must be >= 1, got {e.checkpoint_interval}")
-    if e.grad_slabs < 1:
-        problems.append(f"engine.grad_slabs: must be >= 1, got {e.grad_slabs}")
-    if e.layer_slots < 2:
-        problems.append(f"engine.layer_slots: must be >= 2, got {e.layer_slots}")
-    for name in ("packer_threads", "adamw_threads"):
-        value = getattr(e, name)
-        if value is not None and value < 1:
-            problems.append(f"engine.{name}: must be >= 1 or null, got {value}")
-    if e.long_context_min_seq is not None and e.long_context_min_seq < 1:
-        problems.append(f"engine.long_context_min_seq: must be >= 1 or null, got {e.long_context_min_seq}")
-    if not (e.keep_activations == "auto" or (isinstance(e.keep_activations, int) and e.keep_activations >= 0)):
-        problems.append(f"engine.keep_activations: expected 'auto' or an int >= 0, got {e.keep_activations!r}")
-    if e.loss_chunk_tokens < 1:
-        problems.append(f"engine.loss_chunk_tokens: must be >= 1, got {e.loss_chunk_tokens}")
-    if e.max_gpu_mem is not None:
-        try:
-            parse_bytes(e.max_gpu_mem)
-        except ValueError as err:
-            problems.append(f"engine.max_gpu_mem: {err}")
-    if not 0.0 <= r.data.test_fraction < 1.0:
-        problems.append(f"data.test_fraction: must be in [0, 1), got {r.data.test_fraction}")
-    if r.checkpoint.keep_last_n < 1:
-        problems.append(f"checkpoint.keep_last_n: must be >= 1, got {r.checkpoint.keep_last_n}")
-
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str | int) -> int:
-    """'24GiB' -> 25769803776; plain integers pass through."""
-    if isinstance(text, int):
-        return text
-    s = str(text).strip().lower().replace(" ", "")
-    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
-    if unit not in _UNITS or not num:
-        raise ValueError(f"cannot read {text!r} as a size (use e.g. 24GiB, 512MiB, 80GB)")
-    return int(float(num) * _UNITS[unit])
 
 
 # ---------------------------------------------------------------- overrides
@@ -222,7 +154,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     data = apply_overrides(data, list(overrides), problems)
     recipe = _build(Recipe, data, "", problems)
     if not problems:
-        _check_semantics(recipe, problems)
+        check_semantics(recipe, problems)
     if problems:
         raise RecipeError(problems, source)
     return recipe

@@ -1,7 +1,8 @@
 """The recipe's typed schema: every setting of `train` and `bench`, with its type, default and doc.
 
 Every field is a dataclass field with a `doc` in its metadata; validation, `--help`, the resolved print
-and the commented example YAML all come from these classes (recipe/load.py).
+and the commented example YAML all come from these classes (recipe/load.py); the rules their values obey
+beyond their types are in recipe/checks.py.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ class ModelConfig:
     path: Optional[str] = doc("Local Hugging Face model directory (config.json, *.safetensors, tokenizer). "
                               "Exactly one of path / preset.", None)
     preset: Optional[str] = doc("Named random-init shape instead of a path: tiny, 0.5b, 1.5b, 3b, 7b, 14b, "
-                                "32b, 72b (Qwen2.5-shaped) or llama3-8b.", None)
+                                "32b, 72b (Qwen2.5-shaped), llama3-8b, gemma2-9b, gemma3-12b (text), phi4-14b, "
+                                "olmo2-7b; mixture of experts: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, "
+                                "gpt-oss-20b, gpt-oss-120b.", None)
     dtype: Literal["bf16", "fp32"] = doc("Compute dtype on the device (master weights are always fp32).", "bf16")
     trust_remote_code: bool = doc("Allow model code shipped inside the model directory. Off unless you trust it.",
                                   False)
@@ -51,9 +54,9 @@ class DataConfig:
     packing: bool = doc("Pack several examples per row (block-causal attention, positions reset) so no "
                         "FLOPs go to padding.", True)
     num_proc: int = doc("Processes for tokenisation.", 1)
-    cache_dir: str = doc("Cache of tokenised examples (keyed by the data, tokenizer and template): 'auto' "
-                         "(the user's cache directory: ~/.cache/megatrain/tokenized), a directory, or 'off'.",
-                         "auto")
+    cache_dir: Union[Literal["auto", "off"], str] = doc(
+        "Cache of tokenised examples (keyed by the data, tokenizer and template): 'auto' (the user's cache "
+        "directory: ~/.cache/megatrain/tokenized), a directory, or off.", "auto")
 
 
 @dataclass
@@ -129,8 +132,8 @@ class EngineConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_n_steps: Optional[int] = doc("Write a resumable checkpoint every N steps; None: only at the end.",
-                                       None)
+    every_n_steps: Optional[int] = doc("Write a resumable checkpoint every N steps (>= 1); null: only at the "
+                                       "end (every run ends with one, which `megatrain export` reads).", None)
     keep_last_n: int = doc("Keep this many step checkpoints.", 2)
     resume: Optional[str] = doc("'auto' (latest in output_dir), a checkpoint path, or None.", None)
     export_final: bool = doc("Write output_dir/final/ in Hugging Face format at the end.", True)

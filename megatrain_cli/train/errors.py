@@ -1,11 +1,21 @@
 """How a run fails: TrainingError carries its exit code; a CUDA out-of-memory error becomes advice.
 
-Exit codes: 0 done (or stopped by SIGTERM after a checkpoint), 1 training failed (NaN with
-nan_policy=stop, CUDA out of memory), 2 bad input (recipe, paths, data), 3 would not fit in memory,
-130 interrupted by Ctrl-C after a checkpoint.
+Exit codes (README's "Exit codes"; a requeue script tests them):
+
+    0    done, or stopped by SIGTERM after a checkpoint
+    1    training failed: NaN with nan_policy=stop, CUDA out of memory, a checkpoint that could not be
+         written (disk full: the previous checkpoint is intact), a rank that failed
+    2    bad input: recipe, paths, data, a checkpoint that does not fit; output_dir in use by another run
+    3    would not fit in memory
+    75   preempted, resumable: SIGUSR1 or train.max_wall_time, after a checkpoint (EX_TEMPFAIL)
+    130  interrupted by Ctrl-C (SIGINT) after a checkpoint
+    128+S  `--gpus` launcher: a rank was killed by signal S (137: SIGKILL, e.g. the kernel's OOM killer)
 """
 
 from __future__ import annotations
+
+EXIT_BAD_INPUT = 2
+EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "try again later"; resume with checkpoint.resume=auto
 
 
 class TrainingError(RuntimeError):

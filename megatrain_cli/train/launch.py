@@ -14,6 +14,10 @@ N (>= N). Rank 0 alone prints the dashboard, writes metrics.jsonl and exports fi
 gathered tile by tile into a whole host store on rank 0, then checkpoint.export_sharded). Checkpoints are
 written per shard (checkpoint.save_sharded_checkpoint) and resume on any N, one process
 included: each rank gathers its range from the shard files that hold it (checkpoint/sharded.py).
+
+The launcher and its ranks are one unit (train/supervise.py): signals to the launcher reach every rank,
+no rank outlives the launcher, a rank that dies takes the others down. Rank 0 holds output_dir's lock
+(train/lock.py); the launcher refuses a held output_dir before starting any rank.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from pathlib import Path
 import torch
 
 from megatrain_cli.recipe import Recipe
+from megatrain_cli.train.errors import TrainingError
 from megatrain_cli.train.rank import RankSpec, under_torchrun, world_problem
 
 
@@ -62,12 +67,15 @@ def train(r: Recipe, gpus: int | None = None, *, dry_run: bool = False, force: b
 
 
 def run_rank(r: Recipe, spec: RankSpec, *, force: bool = False) -> int:
-    """One rank's whole run; the process group is torn down at the end."""
+    """One rank's whole run; the process group is torn down at the end. SIGINT, SIGTERM and SIGUSR1 are
+    recorded from here on (train/stop.py), so one that comes before the loop still stops it cleanly."""
     import torch.distributed as dist
 
     from megatrain_cli.engine.dist import leave_process_group
+    from megatrain_cli.train import stop
     from megatrain_cli.train.loop import run_training
 
+    stop.install()
     try:
         return run_training(r, force=force, dist=spec)
     finally:
@@ -75,28 +83,56 @@ def run_rank(r: Recipe, spec: RankSpec, *, force: bool = False) -> int:
             leave_process_group()
 
 
-def _child(r: Recipe, rank: int, world: int, init_method: str, force: bool) -> None:
+def _child(r: Recipe, rank: int, world: int, init_method: str, force: bool, parent: int) -> None:
+    from megatrain_cli.train import stop
+    from megatrain_cli.train.supervise import watch_parent
+
+    watch_parent(parent, rank)  # first: a rank never outlives the launcher
+    stop.install()
+    stop.unblock()  # blocked by the launcher until now: a signal that came meanwhile is recorded here
     os.environ["LOCAL_RANK"] = str(rank)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    sys.exit(run_rank(r, RankSpec(rank, world, init_method), force=force))
+    try:
+        code = run_rank(r, RankSpec(rank, world, init_method), force=force)
+    except Exception as err:
+        if not _peer_gone(err):
+            raise
+        # Another rank ended mid-collective: the launcher names it; one line here, not a gloo traceback.
+        print(f"rank {rank}: stopped, a collective failed ({str(err).splitlines()[0][:200]})", file=sys.stderr)
+        code = 1
+    sys.exit(code)
+
+
+def _peer_gone(err: BaseException) -> bool:
+    import torch.distributed as dist
+
+    text = str(err)
+    return isinstance(err, dist.DistError) or any(s in text for s in ("Connection reset by peer",
+                                                                      "Connection closed by peer", "Broken pipe"))
 
 
 def spawn(r: Recipe, world: int, *, force: bool = False) -> int:
-    """Run `world` ranks as child processes; the exit code is rank 0's, or the first failing rank's."""
+    """Run `world` ranks as child processes under one Supervisor (train/supervise.py): signals reach every
+    rank, a failed rank takes the rest down, none outlives the launcher. The exit code is the ranks'
+    common one, or the first failing rank's (128 + N when it was killed by signal N)."""
     import torch.multiprocessing as mp
 
+    from megatrain_cli.train.lock import check_free
+    from megatrain_cli.train.supervise import Supervisor, signals_blocked
+
+    try:
+        check_free(r.output_dir)  # rank 0 takes the lock; refuse a held output_dir before starting any rank
+    except TrainingError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return err.code
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="megatrain-dist-") as tmp:
         init = f"file://{Path(tmp) / 'rendezvous'}"
-        procs = [ctx.Process(target=_child, args=(r, rank, world, init, force)) for rank in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            while True:
-                try:
-                    p.join()
-                    break
-                except KeyboardInterrupt:  # the ranks got it too: they checkpoint and exit; wait for them
-                    continue
-    codes = [p.exitcode if p.exitcode is not None and p.exitcode >= 0 else 1 for p in procs]
-    return codes[0] if all(c == codes[0] for c in codes) else next(c for c in codes if c != 0)
+        procs = [ctx.Process(target=_child, args=(r, rank, world, init, force, os.getpid()))
+                 for rank in range(world)]
+        supervisor = Supervisor(procs, r.output_dir)
+        with signals_blocked():
+            for p in procs:
+                p.start()
+            supervisor.install()
+        return supervisor.run()

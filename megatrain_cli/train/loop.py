@@ -1,12 +1,13 @@
 """The training loop, top to bottom: recipe -> plan -> model -> data -> engine -> metrics / checkpoints.
 
 Exit codes (train/errors.py): 0 done or stopped by SIGTERM after a checkpoint, 1 training failed, 2 bad
-input, 3 would not fit in memory, 130 interrupted by Ctrl-C after a checkpoint.
+input, 3 would not fit in memory, 75 preempted (SIGUSR1 or train.max_wall_time) after a checkpoint, 130
+interrupted by Ctrl-C after a checkpoint. Stops: train/stop.py; resume: train/resume.py; the lock on
+output_dir: train/lock.py.
 """
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from megatrain_cli.recipe import Recipe, render_yaml
 from megatrain_cli.train.errors import TrainingError, out_of_memory_message
-from megatrain_cli.train.setup import DTYPES, build_engine, build_store, lean_allocator, model_config, resolve_device
+from megatrain_cli.train.setup import DTYPES, build_engine, build_store, lean_allocator, resolve_device
 
 
 def run_training(r: Recipe, *, dry_run: bool = False, force: bool = False, dist=None) -> int:
@@ -38,27 +39,25 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
     from megatrain_cli.engine.plan.step_plan import plan_step
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.models.tokenizer import load_tokenizer
+    from megatrain_cli.train import preflight
 
-    if r.model.path is not None and not Path(r.model.path).is_dir():
-        raise TrainingError(f"model.path does not exist: {r.model.path}", 2)
-    if r.logging.tensorboard and not dry_run:
-        from megatrain_cli.metrics.logs import tensorboard_available
-
-        if not tensorboard_available():
-            raise TrainingError("logging.tensorboard is on but the tensorboard package is not installed: "
-                                "`pip install tensorboard`, or logging.tensorboard=false", 2)
+    # Every input first (model files, paths, data, eval settings): nothing is built or written before.
+    preflight.check_inputs(r, dry_run=dry_run)
     tokenizer = load_tokenizer(r.model)
-    config = model_config(r, tokenizer)
+    config = preflight.read_model_config(r, tokenizer)
     # A dry run plans for the recipe's device even on a machine without it.
     device = torch.device("cuda") if r.engine.device == "cuda" and dry_run else resolve_device(r.engine.device)
     plan = plan_step(r, ModelAdapter(config), device)
-    if dry_run:
+    disk = preflight.run_disk_problem(r, config)
+    if disk:
+        plan.problems.append(disk)
+    if dry_run:  # the verdict for this machine is the exit code: 0 fits, 3 will not fit
         print("# resolved recipe")
         print(render_yaml(r))
         print(plan.render())
-        if plan.lean is not None and not plan.lean.fits:
+        if plan.problems:
             print("(`megatrain train --force` runs it anyway)")
-        return 0
+        return 3 if plan.problems else 0
     if plan.problems and not force:
         raise TrainingError("the run would not fit:\n  " + "\n  ".join(plan.problems) +
                             "\n(--force runs it anyway)", 3)
@@ -70,24 +69,54 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
 
 
 def _loop(r: Recipe, device, tokenizer, config, plan, dist=None) -> int:
-    from megatrain_cli.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-    from megatrain_cli.dashboard import Dashboard
-    from megatrain_cli.data import build_train_data, load_examples, split_examples
-    from megatrain_cli.metrics.logs import JsonlLog, TensorBoardLog
-    from megatrain_cli.metrics.step import step_metrics
-    from megatrain_cli.optim.host_adamw import lr_at
+    """The run itself, with output_dir locked by its lead process (train/lock.py): a second writer is
+    refused, a crashed one's lock taken over."""
+    from megatrain_cli.train.lock import OutputLock
+    from megatrain_cli.train.stop import StopWatch
 
-    lead = dist is None or dist.rank == 0  # the one process that prints, logs and exports
+    lead = dist is None or dist.rank == 0  # the one process that prints, logs, exports and holds the lock
+    watch = StopWatch(r.train.max_wall_time)  # a bad value is refused here, before anything is written
     out = Path(r.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    lock, problem = OutputLock(out), None
     if lead:
-        (out / "recipe.yaml").write_text(render_yaml(r))
+        try:
+            lock.acquire()
+        except TrainingError as err:
+            problem = str(err)
+    if dist is not None:  # every rank stops when rank 0 cannot take the lock, none waits for it
+        from megatrain_cli.train.rank import gather_problems
+
+        problems = gather_problems(dist, problem)
+        problem = problems[0].removeprefix("rank 0: ") if problems else None
+    if problem:
+        raise TrainingError(problem, 2)
+    try:
+        return _run(r, device, tokenizer, config, plan, dist, lead, out, watch)
+    finally:
+        lock.release()
+
+
+def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path, watch) -> int:
+    from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
+    from megatrain_cli.dashboard import Dashboard
+    from megatrain_cli.data import build_train_data, load_examples, split_examples
+    from megatrain_cli.metrics.logs import JsonlLog, TensorBoardLog, keep_steps_up_to
+    from megatrain_cli.metrics.step import step_metrics
+    from megatrain_cli.optim.host_adamw import lr_at
+    from megatrain_cli.train import resume, stop
+
     t = r.train
     examples = load_examples(r.data)
     train_ex, _ = split_examples(examples, r.data)
     data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
     total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
                                                                                               t.grad_accum)))
+    total_text = f"train.steps={t.steps}" if t.steps is not None else f"train.epochs={t.epochs}"
+    # Which checkpoint, refused when it cannot be right: before anything is built or written.
+    candidates = resume.choose(r.checkpoint.resume, out, total, total_text, lead)
+    if lead:
+        (out / "recipe.yaml").write_text(render_yaml(r))
     long_ctx = plan.lean
     if long_ctx is not None:
         lean_allocator(device)
@@ -96,23 +125,13 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None) -> int:
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
     start, skipped = 0, 0
-    resume = r.checkpoint.resume
-    ckpt = latest_checkpoint(out) if resume == "auto" else (Path(resume) if resume else None)
-    if resume not in (None, "auto") and not Path(resume).is_dir():
-        raise TrainingError(f"checkpoint.resume: no checkpoint at {resume}", 2)
-    if ckpt is not None:
-        state = load_checkpoint(store, ckpt)
+    found = resume.load(store, candidates, auto=r.checkpoint.resume == "auto", dist=dist, lead=lead)
+    if found is not None:
+        ckpt, state = found
         start, skipped = int(state["step"]), int(state.get("skipped_steps", 0))
         data.load_state_dict(state["data"])
         if lead:
             print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
-
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame):  # finish the step in flight, checkpoint, exit
-        stop["signal"] = signum
-
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
 
     def checkpoint(step: int) -> None:
         engine.synchronize()  # pending host updates land before the masters are read
@@ -120,18 +139,22 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None) -> int:
             from megatrain_cli.checkpoint import save_sharded_checkpoint as save
         else:
             save = save_checkpoint
-        save(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},
-             keep_last_n=r.checkpoint.keep_last_n, tokenizer=tokenizer)
+        try:
+            save(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},
+                 keep_last_n=r.checkpoint.keep_last_n, tokenizer=tokenizer, source_dir=r.model.path)
+        except CheckpointWriteError as err:  # disk full: nothing partial left, the previous one intact
+            raise TrainingError(str(err), 1) from None
 
     logs = []
     if lead and r.logging.jsonl:
+        keep_steps_up_to(out / "metrics.jsonl", start)  # the steps about to be redone: logged once
         logs.append(JsonlLog(out / "metrics.jsonl"))
     if lead and r.logging.tensorboard:
         logs.append(TensorBoardLog(out / "tensorboard"))
     code = 0
     try:
-        with Dashboard(r.logging.dashboard if lead else "off", total_steps=total,
-                       title=f"megatrain {r.output_dir}") as dash:
+        with stop.watching(), Dashboard(r.logging.dashboard if lead else "off", total_steps=total,
+                                        title=f"megatrain {r.output_dir}") as dash:
             dash.log(f"{store.num_params() / 1e6:.1f} M params on {device.type}, {total} steps, "
                      f"{data.num_rows} rows of {t.seq_len} tokens, host state "
                      f"{store.host_bytes() / 2**30:.2f} GiB")
@@ -162,33 +185,24 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None) -> int:
                     for log in logs:
                         log.write(m)
                 every = r.checkpoint.every_n_steps
-                if dist is not None:  # a signal seen by any rank stops them all after the same step
-                    from megatrain_cli.train.rank import agree_on_signal
+                reason = watch.reason()
+                if dist is not None:  # a signal or the clock of any rank stops them all after the same step
+                    from megatrain_cli.train.rank import agree_on_stop
 
-                    stop["signal"] = agree_on_signal(dist, stop["signal"])
-                if stop["signal"] is not None or (every and (step + 1) % every == 0 and step + 1 < total):
+                    reason = agree_on_stop(dist, reason)
+                if reason is not None or (every and (step + 1) % every == 0 and step + 1 < total):
                     checkpoint(step + 1)
-                if stop["signal"] is not None:
-                    dash.log(f"stopped by signal {stop['signal']} after step {step + 1}; checkpoint written")
-                    code = 130 if stop["signal"] == signal.SIGINT else 0
+                if reason is not None:
+                    code = stop.exit_code(reason)
+                    _say(dash, lead, f"stopped by {stop.describe(reason, t.max_wall_time)} after step {step + 1}: "
+                                     f"checkpoint step_{step + 1} written, exit code {code}; resume with "
+                                     "checkpoint.resume=auto")
                     return code
             engine.synchronize()
-            if r.checkpoint.every_n_steps:
+            if start < total:  # the run's end is resumable too (every_n_steps or not): export and resume read it
                 checkpoint(total)
-            if r.checkpoint.export_final and dist is not None:
-                from megatrain_cli.checkpoint import export_sharded
-
-                final = export_sharded(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer)
-                if final is not None:
-                    dash.log(f"wrote {final}")
-            elif r.checkpoint.export_final:
-                from megatrain_cli.checkpoint import export_hf
-
-                final = export_hf(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer)
-                dash.log(f"wrote {final}")
+            _export_final(r, store, out, dist, tokenizer, dash, total)
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
         engine.close()
         for log in logs:
             log.close()
@@ -205,3 +219,31 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None) -> int:
                  batch_size=r.eval.batch_size, max_new_tokens=r.eval.max_new_tokens, output_dir=str(out / "eval"),
                  device=device.type, data_cfg=r.data)
     return code
+
+
+def _say(dash, lead: bool, message: str) -> None:
+    """A line on the dashboard, or on stderr when it is off (a requeue script's log still gets it)."""
+    if lead and dash.mode == "off":
+        print(message, file=sys.stderr)
+    dash.log(message)
+
+
+def _export_final(r: Recipe, store, out: Path, dist, tokenizer, dash, total: int) -> None:
+    """final/ in Hugging Face format (rank 0 writes it, gathered from every rank). A write that fails (a full
+    disk) is exit 1, with the complete step_{total} checkpoint left for `megatrain export`."""
+    if not r.checkpoint.export_final:
+        return
+    from megatrain_cli.checkpoint import export_hf, export_sharded
+
+    try:
+        if dist is not None:
+            final = export_sharded(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer,
+                                   source_dir=r.model.path)
+        else:
+            final = export_hf(store, out / "final", dtype=DTYPES[r.model.dtype], tokenizer=tokenizer,
+                              source_dir=r.model.path)
+    except OSError as err:
+        raise TrainingError(f"writing {out / 'final'} failed: {err}. The checkpoint {out / f'step_{total}'} is "
+                            f"complete: `megatrain export {out / f'step_{total}'} DIR` writes it later", 1) from None
+    if final is not None:
+        dash.log(f"wrote {final}")

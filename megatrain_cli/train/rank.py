@@ -1,4 +1,5 @@
-"""One data-parallel rank inside the training loop: who it is, joining the group, agreeing on a signal.
+"""One data-parallel rank inside the training loop: who it is, joining the group, agreeing on when to stop
+and on whether a checkpoint could be read.
 
 train/launch.py starts the ranks; train/loop.py runs each of them with what this module gives.
 """
@@ -51,10 +52,21 @@ def start_rank(spec: RankSpec, r: Recipe, device: torch.device, long_ctx):
     return init_distributed(device.type, init_method=spec.init_method, rank=spec.rank, world_size=spec.world)
 
 
-def agree_on_signal(ctx, signum: int | None) -> int | None:
-    """A signal any rank caught, on every rank (one small all-reduce per step), so all stop together."""
+def agree_on_stop(ctx, reason: int | None) -> int | None:
+    """A reason to stop (a signal number or train.stop.WALL_TIME) any rank has, on every rank (one small
+    all-reduce per step: the largest wins), so all stop after the same step with the same exit code."""
     import torch.distributed as dist
 
-    t = torch.tensor([signum or 0], dtype=torch.int64)
+    t = torch.tensor([reason or 0], dtype=torch.int64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.cpu_group)
     return int(t.item()) or None
+
+
+def gather_problems(ctx, problem: str | None) -> list[str]:
+    """Every rank's problem (None: none), on every rank, prefixed with its rank: ranks that read different
+    files (their own shards) decide together whether a checkpoint is usable."""
+    import torch.distributed as dist
+
+    found: list = [None] * ctx.world
+    dist.all_gather_object(found, problem, group=ctx.cpu_group)
+    return [f"rank {r}: {p}" if ctx.world > 1 else p for r, p in enumerate(found) if p]

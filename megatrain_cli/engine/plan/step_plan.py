@@ -9,7 +9,9 @@
                     the lean machinery at any length (lean.plan_memory_lean);
 
 and lists every problem that would make the run fail for memory (`problems`, each saying what to
-change). Pure arithmetic over the shape plus a read of /proc/meminfo: nothing is allocated.
+change). Pure arithmetic over the shape plus a read of the host's memory ceilings (/proc/meminfo and
+the cgroup limits, machine.effective_host_limit): nothing is allocated. `render` ends with the verdict
+for this machine, which `--dry-run` prints and turns into its exit code.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megatrain_cli.engine.plan.lean import LeanPlan, fmt_bytes, plan_for_trainin
 from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
                                               resolve_keep_blocks)
 from megatrain_cli.engine.schedule import blocks
+from megatrain_cli.machine import HostLimit, effective_host_limit
 from megatrain_cli.recipe import Recipe, parse_bytes
 from megatrain_cli.store.tiles import HostStore
 
@@ -41,19 +44,35 @@ class StepPlan:
     lean: LeanPlan | None = None
     path: str = ""
     problems: list = field(default_factory=list)
+    host_limit: HostLimit | None = None  # the smallest host ceiling when planned; None: host not checked
+    device_checked: bool = True  # False: no device budget known (CUDA planned on a machine without it)
 
     @property
     def fits(self) -> bool:
         return not self.problems
 
     def render(self) -> str:
-        """The memory plan, the path line and the lean plan (what `--dry-run` prints)."""
+        """The memory plan, the path line, the lean plan and the verdict (what `--dry-run` prints)."""
         lines = [self.memory.render(), self.path]
         if self.lean is not None:
             lines.append(self.lean.render())
             if not self.lean.fits:
                 lines.append(f"would not fit: {refusal(self.lean)}")
+        lines.append(f"verdict for this machine: {self.verdict()}")
         return "\n".join(lines)
+
+    def verdict(self) -> str:
+        """'fits (...)' or 'will not fit: <each problem: which limit, how much is needed, how much there is>'."""
+        if self.problems:
+            return "will not fit:" + "".join(f"\n  - {problem}" for problem in self.problems)
+        need = self.memory.host_total + self.memory.pinned_total
+        limit = self.host_limit
+        host = ("host not checked (store built)" if limit is None else
+                f"host not checked ({limit.source})" if not limit.available else
+                f"host {fmt_bytes(need)} needed, {fmt_bytes(limit.available)} free under {limit.source}")
+        device = "" if self.device_checked else ("; device memory not checked: no CUDA device here and no "
+                                                 "engine.max_gpu_mem")
+        return f"fits ({host}{device})"
 
 
 def device_budget(r: Recipe, device: torch.device) -> int | None:
@@ -99,6 +118,8 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
                      device_type=device.type, device_budget=budget, grad_slabs=e.grad_slabs,
                      layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens, store_bytes_to_come=to_come)
     host = [] if store_built else None  # None: checked below
+    limit = None if store_built else effective_host_limit()
+    checked = dict(host_limit=limit, device_checked=budget is not None or device.type != "cuda")
 
     if e.long_context_min_seq is not None and t.seq_len >= e.long_context_min_seq:
         problem = _packed_rows_problem(r)
@@ -109,19 +130,20 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
         path = (f"path: long-context engine (train.seq_len {t.seq_len} >= {e.long_context_min_seq}): checkpoint "
                 f"interval {lean.checkpoint_interval}, {_mlp(lean)}, {lean.offloaded_checkpoints} of "
                 f"{lean.num_checkpoints} checkpoints offloaded to host memory, no kept activations")
-        problems = host_problems(plan) if host is None else host
+        problems = _named(host_problems(plan), limit) if host is None else host
         if not lean.fits:
             problems.append(f"long context: {refusal(lean)}. Use a shorter train.seq_len, a smaller "
                             f"train.micro_batch_size or train.grad_accum, or a larger engine.max_gpu_mem; "
                             f"`megatrain train RECIPE --dry-run` shows the plan.")
-        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems)
+        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems,
+                        **checked)
 
     keep = resolve_keep_blocks(e.keep_activations, budget, **args)
     plan = make_plan(**args, keep_blocks=keep)
     if e.keep_activations == "auto" and budget is None and device.type == "cuda":
         plan.notes.append("keep_activations 'auto' is decided on the GPU from its memory (0 assumed here)")
     too_big = device_problem(plan, device=device, device_budget=budget) if budget is not None else ""
-    problems = host_problems(plan) if host is None else host
+    problems = _named(host_problems(plan), limit) if host is None else host
     if too_big and e.memory_fallback and not problems and not _packed_rows_problem(r):
         lean = plan_memory_lean(adapter, **lean_args)
         short_total = plan.device_total
@@ -134,14 +156,21 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
                             f"{refusal(lean)}. Use a smaller train.micro_batch_size, train.grad_accum or "
                             f"train.seq_len, or a larger engine.max_gpu_mem; `megatrain train RECIPE --dry-run` "
                             f"shows both plans.")
-        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems)
+        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems,
+                        **checked)
     if too_big:
         problems.append(too_big)
     threshold = "never" if e.long_context_min_seq is None else e.long_context_min_seq
     path = (f"path: short-context engine (train.seq_len {t.seq_len} < {threshold}; checkpoint interval "
             f"{e.checkpoint_interval})")
     kept = kept_block_ids(len(blocks(adapter.num_layers, e.checkpoint_interval)), keep)
-    return StepPlan(plan, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, path, problems)
+    return StepPlan(plan, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, path, problems, **checked)
+
+
+def _named(problems: list[str], limit: HostLimit) -> list[str]:
+    """The host-memory problems with the ceiling they were measured against (a container's or a job's
+    cgroup limit is not the machine's RAM, and the fix differs)."""
+    return [f"{p} The smallest host limit: {limit.describe()}." for p in problems]
 
 
 def _lean_host_plan(args: dict, lean: LeanPlan) -> MemoryPlan:

@@ -1,0 +1,143 @@
+"""What a recipe's values must satisfy beyond their types: ranges, finiteness, contradictions between keys.
+
+Part of the schema (schema.py holds the keys, this their rules): `check_semantics` appends one problem
+per broken rule, each starting with the dotted key and saying what to write instead, so `load_recipe`
+refuses a recipe with every problem listed at once. Pure: reads no file (the pre-flight check of
+train/preflight.py looks at paths, model files and the machine).
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+
+from megatrain_cli.recipe.schema import Recipe
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([dhms])")
+_SECONDS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'24GiB' -> 25769803776; plain integers pass through."""
+    if isinstance(text, int):
+        return text
+    s = str(text).strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _UNITS or not num:
+        raise ValueError(f"cannot read {text!r} as a size (use e.g. 24GiB, 512MiB, 80GB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def parse_duration(text: str) -> float:
+    """'3h50m' -> 13800.0, '90s' -> 90.0, '1.5h' -> 5400.0: numbers each followed by d, h, m or s."""
+    s = str(text).strip().lower().replace(" ", "")
+    if not s or _DURATION.sub("", s):
+        raise ValueError(f"cannot read {text!r} as a duration (use e.g. 3h50m, 90s, 2h)")
+    return sum(float(n) * _SECONDS[u] for n, u in _DURATION.findall(s))
+
+
+def non_finite(value) -> bool:
+    """NaN or +-inf: a float setting that would train on garbage (a NaN lr writes NaN weights, exit 0)."""
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+def check_semantics(r: Recipe, problems: list[str]) -> None:
+    """Every rule the types cannot say, each broken one appended to `problems`."""
+    _check_model(r, problems)
+    _check_train(r, problems)
+    _check_engine(r, problems)
+    _check_outputs(r, problems)
+
+
+def _at_least(problems: list[str], key: str, value, low: int, *, nullable: bool = False) -> None:
+    if value is not None and value < low:
+        problems.append(f"{key}: must be >= {low}{' or null' if nullable else ''}, got {value}")
+
+
+def _check_model(r: Recipe, problems: list[str]) -> None:
+    from megatrain_cli.presets import PRESETS
+
+    m = r.model
+    if (m.path is None) == (m.preset is None):
+        problems.append("model: set exactly one of model.path and model.preset")
+    if m.preset is not None and m.preset not in PRESETS:
+        near = difflib.get_close_matches(m.preset, list(PRESETS), n=1)
+        hint = f"; did you mean '{near[0]}'?" if near else ""
+        problems.append(f"model.preset: unknown preset '{m.preset}'{hint} (known: {', '.join(PRESETS)})")
+    for key, value in (("model.path", m.path), ("model.tokenizer", m.tokenizer), ("data.source", r.data.source),
+                       ("data.test_source", r.data.test_source), ("checkpoint.resume", r.checkpoint.resume),
+                       ("output_dir", r.output_dir), ("data.cache_dir", r.data.cache_dir)):
+        if value is not None and not str(value).strip():
+            problems.append(f"{key}: empty; give a value or null")
+
+
+def _check_train(r: Recipe, problems: list[str]) -> None:
+    t, d = r.train, r.data
+    if (t.steps is None) == (t.epochs is None):
+        problems.append("train: set exactly one of train.steps and train.epochs")
+    for name in ("steps", "micro_batch_size", "grad_accum"):
+        _at_least(problems, f"train.{name}", getattr(t, name), 1)
+    if t.seq_len < 2:  # a row needs a token and the token after it
+        problems.append(f"train.seq_len: must be >= 2, got {t.seq_len}")
+    if t.epochs is not None and t.epochs <= 0:
+        problems.append(f"train.epochs: must be > 0, got {t.epochs}")
+    if t.lr <= 0:
+        problems.append(f"train.lr: must be > 0, got {t.lr}")
+    if t.weight_decay < 0:
+        problems.append(f"train.weight_decay: must be >= 0 (0 turns it off), got {t.weight_decay}")
+    if t.eps <= 0:
+        problems.append(f"train.eps: must be > 0 (it keeps Adam's division finite), got {t.eps}")
+    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
+        problems.append(f"train.betas: expected two numbers in [0, 1), got {t.betas!r}")
+    if t.max_grad_norm is not None and t.max_grad_norm <= 0:
+        problems.append(f"train.max_grad_norm: must be > 0 or null, got {t.max_grad_norm}")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        problems.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
+    _at_least(problems, "train.warmup_steps", t.warmup_steps, 0)
+    if t.max_wall_time is not None:
+        try:
+            if parse_duration(t.max_wall_time) <= 0:
+                problems.append(f"train.max_wall_time: must be longer than 0, got {t.max_wall_time!r}")
+        except ValueError as err:
+            problems.append(f"train.max_wall_time: {err}; null: no limit")
+    if not 0.0 <= d.test_fraction < 1.0:
+        problems.append(f"data.test_fraction: must be in [0, 1), got {d.test_fraction}")
+    _at_least(problems, "data.num_proc", d.num_proc, 1)
+    _at_least(problems, "data.max_samples", d.max_samples, 1, nullable=True)
+
+
+def _check_engine(r: Recipe, problems: list[str]) -> None:
+    e = r.engine
+    _at_least(problems, "engine.checkpoint_interval", e.checkpoint_interval, 1)
+    _at_least(problems, "engine.grad_slabs", e.grad_slabs, 1)
+    _at_least(problems, "engine.layer_slots", e.layer_slots, 2)
+    _at_least(problems, "engine.packer_threads", e.packer_threads, 1, nullable=True)
+    _at_least(problems, "engine.adamw_threads", e.adamw_threads, 1, nullable=True)
+    _at_least(problems, "engine.long_context_min_seq", e.long_context_min_seq, 1, nullable=True)
+    if not (e.keep_activations == "auto" or (isinstance(e.keep_activations, int) and e.keep_activations >= 0)):
+        problems.append(f"engine.keep_activations: expected 'auto' or an int >= 0, got {e.keep_activations!r}")
+    _at_least(problems, "engine.loss_chunk_tokens", e.loss_chunk_tokens, 1)
+    if e.max_gpu_mem is not None:
+        try:
+            if parse_bytes(e.max_gpu_mem) <= 0:
+                problems.append(f"engine.max_gpu_mem: must be more than 0, got {e.max_gpu_mem!r}")
+        except ValueError as err:
+            problems.append(f"engine.max_gpu_mem: {err}")
+
+
+def _check_outputs(r: Recipe, problems: list[str]) -> None:
+    c, lg, ev = r.checkpoint, r.logging, r.eval
+    _at_least(problems, "checkpoint.every_n_steps", c.every_n_steps, 1, nullable=True)
+    _at_least(problems, "checkpoint.keep_last_n", c.keep_last_n, 1)
+    _at_least(problems, "logging.every_n_steps", lg.every_n_steps, 1)
+    _at_least(problems, "eval.limit", ev.limit, 1, nullable=True)
+    _at_least(problems, "eval.batch_size", ev.batch_size, 1)
+    _at_least(problems, "eval.max_new_tokens", ev.max_new_tokens, 1)
+    if ev.enabled and not c.export_final:
+        problems.append("eval.enabled: the end-of-training eval reads output_dir/final/, which "
+                        "checkpoint.export_final=false does not write; set checkpoint.export_final=true or "
+                        "eval.enabled=false")

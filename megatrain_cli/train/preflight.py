@@ -1,0 +1,218 @@
+"""The up-front checks of a run: every input looked at before anything big is allocated or any step runs.
+
+A mistake found after the host store is built (tens of GiB, minutes) or after training (the eval's
+settings) costs the user that time, and one found half-way can leave files behind. These checks read
+little: a model folder's config.json, index and safetensors headers (train/model_files.py), directory
+metadata, free disk space, the data's first records (all of them with eval on: the held-out split and its
+gold answers depend on the whole set). Each raises TrainingError
+with one message naming the recipe key (or option) and the fix: exit 2 for a bad input; a disk too
+small for a checkpoint is a "would not fit" problem (exit 3, `--force` overrides), listed with the plan's.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from megatrain_cli.recipe import Recipe
+from megatrain_cli.train.errors import TrainingError
+from megatrain_cli.train.model_files import check_model_dir
+
+CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + two fp32 Adam moments (gradients are not saved)
+DATA_SAMPLE = 64  # records read up front when the whole data set is not needed (eval off)
+
+
+def check_inputs(r: Recipe, *, dry_run: bool) -> None:
+    """Everything about `r` that can be checked without a plan: model files, paths, data, eval settings.
+    A dry run skips what reads records (the data) or needs optional packages (tensorboard)."""
+    from megatrain_cli.data.errors import DataError
+    from megatrain_cli.data.sources import check_source
+
+    if r.model.path is not None:
+        check_model_dir(r.model.path, "model.path", r.model.trust_remote_code)
+    if r.model.tokenizer is not None and not Path(r.model.tokenizer).is_dir():
+        raise TrainingError(f"model.tokenizer: {r.model.tokenizer} is not a folder", 2)
+    try:
+        check_source(r.data.source, "data.source")
+        if r.data.test_source:
+            check_source(r.data.test_source, "data.test_source")
+    except DataError as err:
+        raise TrainingError(str(err), 2) from None
+    cache = r.data.cache_dir
+    if cache not in ("auto", "off") and Path(cache).exists() and not Path(cache).is_dir():
+        raise TrainingError(f"data.cache_dir: {cache} is a file; give a folder, auto or off", 2)
+    check_resume(r.checkpoint.resume)
+    check_output_dir(r.output_dir, "output_dir")
+    if dry_run:
+        return
+    if r.logging.tensorboard:
+        from megatrain_cli.metrics.logs import tensorboard_available
+
+        if not tensorboard_available():
+            raise TrainingError("logging.tensorboard is on but the tensorboard package is not installed: "
+                                "`pip install tensorboard`, or logging.tensorboard=false", 2)
+    check_data(r)
+
+
+def check_resume(resume: str | None) -> None:
+    """checkpoint.resume: 'auto', null, or a complete checkpoint (its manifest and file sizes: stats only)."""
+    if resume in (None, "auto"):
+        return
+    from megatrain_cli.checkpoint.format import CheckpointError
+    from megatrain_cli.checkpoint.layout import read_manifest
+
+    if not Path(resume).is_dir():
+        raise TrainingError(f"checkpoint.resume: no checkpoint at {resume}", 2)
+    try:
+        read_manifest(Path(resume))
+    except CheckpointError as err:
+        raise TrainingError(f"checkpoint.resume: {err}", 2) from None
+
+
+def check_data(r: Recipe) -> None:
+    """The data reads in its format now, not after the model is built. With eval on, the whole source is
+    read (the held-out split and its gold answers depend on all of it: a second read of the data, which
+    training reads again); otherwise its first DATA_SAMPLE records."""
+    import dataclasses
+
+    from megatrain_cli.data import load_examples
+    from megatrain_cli.eval.run import select_examples
+
+    cfg = r.data
+    if not r.eval.enabled:
+        cfg = dataclasses.replace(cfg, max_samples=min(cfg.max_samples or DATA_SAMPLE, DATA_SAMPLE))
+    try:
+        examples = load_examples(cfg)
+    except ValueError as err:  # the data itself, not the eval: training would fail on it too
+        raise TrainingError(f"data.source: {err}", 2) from None
+    if not r.eval.enabled:
+        return
+    try:
+        select_examples(r.data, "test", r.eval.limit, examples)
+    except ValueError as err:
+        raise TrainingError(f"eval.enabled: the end-of-training eval could not run: {err}. Fix the data keys "
+                            f"(data.test_fraction, data.test_source, data.fields) or set eval.enabled=false", 2) \
+            from None
+
+
+def read_model_config(r: Recipe, tokenizer):
+    """train/setup.model_config, and train.seq_len checked against the model's max_position_embeddings
+    (a model.path's positions past it were never trained)."""
+    from megatrain_cli.train.setup import model_config
+
+    config = model_config(r, tokenizer)  # a config.json transformers refuses was answered by check_inputs
+    limit = getattr(config, "max_position_embeddings", None)
+    if r.model.path is not None and isinstance(limit, int) and r.train.seq_len > limit:
+        raise TrainingError(f"train.seq_len: {r.train.seq_len} is above the model's max_position_embeddings {limit} "
+                            f"({Path(r.model.path) / 'config.json'}); use train.seq_len <= {limit} (or raise it in "
+                            f"config.json if the model's rope scaling supports longer sequences)", 2)
+    return config
+
+
+# ---------------------------------------------------------------- output folders and disk space
+def check_output_dir(path: str | Path, key: str) -> Path:
+    """`path` is a folder, or can be made, and can be written; returns the nearest existing folder at or
+    above it. Nothing is created there but a probe folder, removed at once (a permission bit, a read-only
+    mount and root's exemptions all answer to a real attempt)."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise TrainingError(f"{key}: {p} is a file, not a folder; pick another {key}", 2)
+    anchor = existing_parent(p)
+    if not anchor.is_dir():
+        raise TrainingError(f"{key}: {anchor} is a file, so {p} cannot be made under it; pick another {key}", 2)
+    try:
+        if not os.access(anchor, os.W_OK | os.X_OK):
+            raise PermissionError(13, "permission denied")
+        os.rmdir(tempfile.mkdtemp(prefix=".megatrain-write-test-", dir=anchor))
+    except OSError as err:
+        raise TrainingError(f"{key}: cannot write in {anchor} ({err.strerror or err}); pick a writable {key}",
+                            2) from None
+    return anchor
+
+
+def check_export(checkpoint: Path, out: Path, dtype, *, force: bool) -> None:
+    """`megatrain export CHECKPOINT OUT`: the checkpoint is a folder; OUT is new, empty, or a previous
+    export (replaced only with `force`): never a file, never a folder of other files; and its disk holds
+    the weights in `dtype` (the model's size read from the checkpoint's config.json, nothing loaded)."""
+    from megatrain_cli.checkpoint.export import INDEX_NAME, WEIGHTS_NAME
+    from megatrain_cli.checkpoint.layout import MANIFEST, latest_checkpoint
+
+    if not checkpoint.exists():
+        raise TrainingError(f"CHECKPOINT: checkpoint not found: {checkpoint}", 2)
+    if not checkpoint.is_dir():
+        raise TrainingError(f"CHECKPOINT: {checkpoint} is a file; give a step_N checkpoint folder", 2)
+    if out.exists() and not out.is_dir():
+        raise TrainingError(f"OUT: {out} is a file; export writes a folder: give a new folder name", 2)
+    if out.is_dir() and any(out.iterdir()):
+        previous = (out / "config.json").is_file() and ((out / WEIGHTS_NAME).is_file() or (out / INDEX_NAME).is_file())
+        if not previous:
+            raise TrainingError(f"OUT: {out} is not empty and holds no previous export; give a new or empty folder "
+                                f"(nothing in it is touched)", 2)
+        if not force:
+            raise TrainingError(f"OUT: {out} holds a previous export; --force replaces it", 2)
+    check_output_dir(out, "OUT")
+    source = checkpoint if (checkpoint / MANIFEST).is_file() else latest_checkpoint(checkpoint)
+    if source is not None and (source / "config.json").is_file():
+        from megatrain_cli.models.adapter import ModelAdapter
+        from megatrain_cli.models.loader import load_hf_config
+        from megatrain_cli.store.tiles import HostStore
+
+        params = HostStore(ModelAdapter(load_hf_config(source)), dtype, allocate=False).num_params()
+        problem = disk_problem("OUT", out, params * dtype.itemsize, "the export")
+        if problem:
+            raise TrainingError(problem, 3)
+
+
+def check_output_file(path: str | Path, key: str) -> None:
+    """A file a command writes at its end (bench --output, --frame) can be written: checked first, so a
+    measurement is never lost to a typo in its destination."""
+    p = Path(path)
+    if p.is_dir():
+        raise TrainingError(f"{key}: {p} is a folder; give a file name", 2)
+    if not p.parent.is_dir():
+        raise TrainingError(f"{key}: the folder {p.parent} does not exist; create it first", 2)
+    if not os.access(p.parent, os.W_OK | os.X_OK) or (p.exists() and not os.access(p, os.W_OK)):
+        raise TrainingError(f"{key}: {p} cannot be written (permission denied)", 2)
+
+
+def existing_parent(p: Path) -> Path:
+    """`p` if it exists, else its nearest existing ancestor (what a mkdir -p of `p` would start from)."""
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on `path`'s filesystem for this user."""
+    return shutil.disk_usage(path).free
+
+
+def disk_problem(key: str, path: str | Path, need: int, what: str) -> str:
+    """'' when `need` bytes fit on the filesystem `path` is (or will be) on, else the problem with both figures."""
+    where = existing_parent(Path(path))
+    free = free_bytes(where)
+    if need <= free:
+        return ""
+    return (f"disk: {what} needs about {_gib(need)} in {key} {path}, and its filesystem ({where.resolve()}) has "
+            f"{_gib(free)} free; free space there or point {key} at a larger disk")
+
+
+def run_disk_problem(r: Recipe, config) -> str:
+    """What a run writes at once, against free space under output_dir: a resumable checkpoint (masters and
+    moments: every run ends with one, train/loop.py) and, with export_final, final/ (the weights in
+    model.dtype) beside it; '' when it fits."""
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.store.tiles import HostStore
+    from megatrain_cli.train.setup import DTYPES
+
+    params = HostStore(ModelAdapter(config), DTYPES[r.model.dtype], allocate=False).num_params()
+    need, what = params * CHECKPOINT_BYTES_PER_PARAM, "a checkpoint (fp32 masters and Adam moments)"
+    if r.checkpoint.export_final:
+        need, what = need + params * DTYPES[r.model.dtype].itemsize, what + " and final/ (the exported weights)"
+    return disk_problem("output_dir", r.output_dir, need, what)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"

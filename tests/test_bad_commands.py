@@ -1,0 +1,162 @@
+"""Every bad input of `megatrain eval`, `export`, `recipes cp` and `bench` answered before anything runs:
+one message naming the option or path, the documented exit code, no traceback, no file of the user's
+lost or changed; and what was silently wrong (eval's results in the current folder, the dashboard's
+"waiting" while steps ran, --debug). `train`'s bad inputs: test_bad_inputs.py.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatrain_cli.train import preflight
+from tests.helpers_bad_inputs import ROOT, TINY, make_models, megatrain, refused, snapshot
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    return make_models(tmp_path_factory.mktemp("models"))
+
+
+# ---------------------------------------------------------------- megatrain eval
+@pytest.mark.parametrize("args,culprit", [
+    (["--limit", "0"], "--limit"), (["--batch-size", "0"], "--batch-size"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--split", "dev"], "split"), (["--device", "tpu"], "device"), (["--mode", "fast"], "--mode"),
+    (["--data", "/no/such/data.jsonl"], "data.jsonl"),
+], ids=["limit", "batch-size", "max-new-tokens", "split", "device", "mode", "data"])
+def test_eval_option_refused(tmp_path, models, args, culprit):
+    before = snapshot(models / "one")
+    refused(megatrain("eval", "--model", models / "one", "--output-dir", tmp_path / "ev", *args), 2, culprit)
+    assert snapshot(models / "one") == before and not (tmp_path / "ev").exists()
+
+
+def test_eval_on_a_step_checkpoint_says_export_it(models):
+    refused(megatrain("eval", "--model", models / "run" / "step_1"), 2, "--model", "megatrain export", "final/")
+
+
+def test_eval_on_a_run_folder_points_at_final(tmp_path, models):
+    shutil.copytree(models / "one", tmp_path / "run" / "final")
+    refused(megatrain("eval", "--model", tmp_path / "run"), 2, "--model", str(tmp_path / "run" / "final"))
+
+
+def test_eval_output_dir_is_a_file(tmp_path, models):
+    (tmp_path / "results").write_text("old")
+    refused(megatrain("eval", "--model", models / "one", "--output-dir", tmp_path / "results"), 2, "--output-dir")
+    assert (tmp_path / "results").read_text() == "old"
+
+
+def test_eval_writes_under_the_models_folder_not_the_current_one(tmp_path, models, monkeypatch):
+    model = Path(shutil.copytree(models / "one", tmp_path / "model"))
+    before = snapshot(model)
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    result = megatrain("eval", "--model", model, "--device", "cpu", "--limit", "1", "--max-new-tokens", "2")
+    assert result.exit_code == 0, result.output
+    assert list(cwd.iterdir()) == []
+    assert json.loads((model / "eval" / "results.json").read_text())["total"] == 1
+    assert {k: v for k, v in snapshot(model).items() if "/eval/" not in k} == before
+
+
+# ---------------------------------------------------------------- megatrain export
+def test_export_into_a_file(tmp_path, models):
+    (tmp_path / "out").write_text("mine")
+    refused(megatrain("export", models / "run" / "step_1", tmp_path / "out"), 2, "OUT", "is a file")
+    assert (tmp_path / "out").read_text() == "mine"
+
+
+def test_export_into_a_folder_of_other_files(tmp_path, models):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    refused(megatrain("export", models / "run" / "step_1", tmp_path / "out"), 2, "OUT", "not empty")
+    assert snapshot(tmp_path / "out") == {str(tmp_path / "out" / "notes.txt"): b"mine"}
+
+
+def test_export_over_a_previous_export_needs_force(tmp_path, models):
+    previous = Path(shutil.copytree(models / "one", tmp_path / "out"))
+    before = snapshot(previous)
+    refused(megatrain("export", models / "run" / "step_1", previous), 2, "OUT", "--force")
+    assert snapshot(previous) == before
+    result = megatrain("export", models / "run" / "step_1", previous, "--force", "--dtype", "fp32")
+    assert result.exit_code == 0, result.output
+    assert (previous / "config.json").is_file()
+
+
+def test_export_from_a_file(tmp_path):
+    (tmp_path / "step_3").write_text("x")
+    refused(megatrain("export", tmp_path / "step_3", tmp_path / "out"), 2, "CHECKPOINT", "is a file")
+
+
+def test_export_disk_too_small(tmp_path, models, monkeypatch):
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: 1000)
+    refused(megatrain("export", models / "run" / "step_1", tmp_path / "out"), 3, "disk", "OUT", "free")
+    assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- megatrain recipes cp
+def test_recipes_cp_into_a_missing_folder(tmp_path):
+    refused(megatrain("recipes", "cp", "tiny", tmp_path / "nope" / "my.yaml"), 2, str(tmp_path / "nope"), "mkdir")
+    assert not (tmp_path / "nope").exists()
+
+
+@pytest.mark.parametrize("into_folder", [False, True], ids=["file", "folder"])
+def test_recipes_cp_keeps_an_edited_file_unless_forced(tmp_path, into_folder):
+    mine = tmp_path / "tiny.yaml"
+    mine.write_text("# my edits\n")
+    refused(megatrain("recipes", "cp", "tiny", tmp_path if into_folder else mine), 2, str(mine), "--force")
+    assert mine.read_text() == "# my edits\n"
+    assert megatrain("recipes", "cp", "tiny", mine, "--force").exit_code == 0
+    assert mine.read_bytes() == TINY.read_bytes()
+
+
+# ---------------------------------------------------------------- megatrain bench (refused before measuring)
+@pytest.mark.parametrize("args,culprit", [
+    (["--baseline", "native", "--device", "cpu"], "--baseline native"),
+    (["--baseline", "both", "--device", "cpu"], "--baseline"),
+    (["--output", "/no/such/folder/r.json"], "--output"),
+    (["--frame", "/no/such/folder/f.txt"], "--frame"),
+    (["--steps", "0"], "--steps"),
+], ids=["native-on-cpu", "both-on-cpu", "output-folder-missing", "frame-folder-missing", "steps"])
+def test_bench_refused_before_measuring(args, culprit):
+    out = refused(megatrain("bench", "--model", "tiny", "--device", "cpu", *args), 2, culprit)
+    assert "memory plan" not in out  # refused before planning, nothing measured
+
+
+def test_bench_output_is_a_folder(tmp_path):
+    refused(megatrain("bench", "--model", "tiny", "--device", "cpu", "--output", tmp_path), 2, "--output", "folder")
+
+
+# ---------------------------------------------------------------- nothing silently wrong
+def test_dashboard_does_not_claim_to_wait_while_steps_run():
+    from rich.console import Console
+
+    from megatrain_cli.dashboard import Dashboard
+
+    screen = io.StringIO()
+    with Dashboard("rich", total_steps=10, console=Console(file=screen, force_terminal=True, width=160)):
+        pass
+    assert "running for 0:00:0" in screen.getvalue() and "waiting" not in screen.getvalue()
+
+
+def test_debug_reraises_in_process(tmp_path):
+    from megatrain_cli.train.errors import TrainingError
+
+    result = megatrain("train", TINY, "--debug", f"output_dir={tmp_path / 'out'}", "model.preset=null",
+                       f"model.path={tmp_path / 'nope'}")
+    assert isinstance(result.exception, TrainingError) and result.exception.code == 2
+
+
+def test_a_shell_sees_one_message_and_debug_the_traceback(tmp_path):
+    """What the user's terminal gets (a real process): exit 2 with one line; --debug adds the traceback."""
+    cmd = [sys.executable, "-m", "megatrain_cli", "train", str(TINY), "train.lr=nan", f"output_dir={tmp_path}/o"]
+    plain = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert plain.returncode == 2 and "train.lr: must be a finite number" in plain.stderr
+    assert "Traceback" not in plain.stderr + plain.stdout
+    debug = subprocess.run([*cmd, "--debug"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert debug.returncode != 0 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
