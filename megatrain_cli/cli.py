@@ -245,12 +245,29 @@ def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory,
              output_dir: Optional[Path] = typer.Option(None, help="Where results.json and predictions.jsonl go "
                                                        "(default: MODEL/eval/; for preset:NAME, runs/eval/NAME/)."),
              device: str = typer.Option("auto", help="auto, cpu or cuda."),
+             prompt: str = typer.Option("auto", help="chat (the tokenizer's chat template; few-shot examples as "
+                                        "earlier turns), plain ('Question: ... Answer: ') or auto (chat when the "
+                                        "tokenizer has a template)."),
+             num_fewshot: int = typer.Option(0, help="Solved examples before each question, drawn from the train "
+                                             "split, seeded per question (GSM8K in lm-evaluation-harness: 5)."),
+             fewshot_seed: int = typer.Option(1234, help="Seed of the few-shot draw."),
+             extract: str = typer.Option("flexible", help="strict (only a marked answer: 'The answer is', '####', "
+                                         "\\boxed{}) or flexible (also the last number); both scores are in "
+                                         "results.json."),
+             test_data: Optional[str] = typer.Option(None, help="A separate test set (its 'test' split where it has "
+                                                     "splits) instead of the seeded hold-out of --data, which then "
+                                                     "is all train split (few-shot pool): GSM8K's own test set is "
+                                                     "--data openai/gsm8k:main --test-data openai/gsm8k:main."),
+             registry: Optional[str] = typer.Option(None, help="Dataset registry file, for --data registry:NAME."),
+             system_prompt: Optional[str] = typer.Option(None, help="System message for examples without one."),
              debug: bool = _debug_option()) -> None:
     """Exact-match accuracy of greedy answers on math word problems (MetaMathQA / GSM8K style), with
-    generated tokens/s, mode and wall time in results.json. Exit codes: 2 bad input, 3 will not fit in
-    host memory (the smallest of /proc's and the cgroups' limits)."""
+    generated tokens/s, mode and wall time in results.json, and the protocol the score depends on (prompt,
+    few-shot, extraction, decoding). Exit codes: 2 bad input, 3 will not fit in host memory (the smallest
+    of /proc's and the cgroups' limits)."""
     from megatrain_cli.eval.run import run_eval
     from megatrain_cli.eval.source import MODES, PRESET_PREFIX, WouldNotFit
+    from megatrain_cli.recipe import DataConfig, EvalConfig
     from megatrain_cli.train.model_files import check_model_dir
     from megatrain_cli.train.preflight import check_output_dir
 
@@ -260,6 +277,17 @@ def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory,
         for option, value in (("--limit", limit), ("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
             if value is not None and value < 1:
                 _fail(f"{option}: must be >= 1, got {value}")
+        for option, value, choices in (("--prompt", prompt, ("auto", "chat", "plain")),
+                                       ("--extract", extract, ("strict", "flexible"))):
+            if value not in choices:
+                _fail(f"{option}: expected one of {', '.join(choices)}, got {value!r}")
+        if num_fewshot < 0:
+            _fail(f"--num-fewshot: must be >= 0, got {num_fewshot}")
+        if num_fewshot and split != "test":
+            _fail("--num-fewshot: the few-shot examples come from the train split, so --split must be test")
+        for option, value in (("--data", data), ("--test-data", test_data)):
+            if value and value.startswith("registry:") and not registry:
+                _fail(f"{option} {value}: names a registry dataset; give the registry file with --registry")
         if model.startswith(PRESET_PREFIX):
             out = output_dir or Path("runs") / "eval" / model.removeprefix(PRESET_PREFIX)
         else:
@@ -268,7 +296,11 @@ def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory,
         check_output_dir(out, "--output-dir")
         try:
             run_eval(model, data, split=split, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                     output_dir=str(out), device=device, mode=mode)
+                     output_dir=str(out), device=device, mode=mode,
+                     data_cfg=DataConfig(source=data, test_source=test_data, registry=registry,
+                                         system_prompt=system_prompt),
+                     eval_cfg=EvalConfig(prompt=prompt, num_fewshot=num_fewshot, fewshot_seed=fewshot_seed,
+                                         extract=extract))
         except WouldNotFit as err:
             _fail(str(err), 3)
 

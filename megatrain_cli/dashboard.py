@@ -3,6 +3,8 @@
 Modes: 'rich' (Live panels), 'plain' (a header once, then one line per update: greppable, fine in
 CI logs and `tee`), 'off' (prints nothing), 'auto' (rich when the console is a terminal, else plain).
 Every value comes from a StepMetrics as measured; a None field prints 'n/a', never a made-up number.
+With validation on (`val_every`), the plain line gains a 'val loss' column (n/a at the steps without a
+pass) and the rich view shows the latest validation loss, the step it was measured at, and its trend.
 """
 
 from __future__ import annotations
@@ -109,12 +111,15 @@ PLAIN_COLUMNS: list[PlainColumn] = [
 ]
 
 
-def _plain_row(cells: list[str]) -> str:
-    return " | ".join(cell.rjust(width) for cell, (_, width, _) in zip(cells, PLAIN_COLUMNS))
+VAL_COLUMN: PlainColumn = ("val loss", 9, lambda m: fmt_num(m.val_loss, ".4f"))
 
 
-def plain_header() -> str:
-    return _plain_row([name for name, _, _ in PLAIN_COLUMNS])
+def _plain_row(cells: list[str], columns: list[PlainColumn] = PLAIN_COLUMNS) -> str:
+    return " | ".join(cell.rjust(width) for cell, (_, width, _) in zip(cells, columns))
+
+
+def plain_header(columns: list[PlainColumn] = PLAIN_COLUMNS) -> str:
+    return _plain_row([name for name, _, _ in columns], columns)
 
 
 # ---------------------------------------------------------------- the dashboard
@@ -122,7 +127,7 @@ class Dashboard:
     """Shows StepMetrics as they arrive. Use as a context manager around the training loop."""
 
     def __init__(self, mode: str = "auto", total_steps: int = 0, title: str = "megatrain",
-                 console: Console | None = None):
+                 console: Console | None = None, val_every: int | None = None):
         if mode not in MODES:
             raise ValueError(f"dashboard mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.console = console if console is not None else Console()
@@ -132,6 +137,10 @@ class Dashboard:
         self.total_steps = total_steps
         self.title = title
         self.loss_history: deque[float] = deque(maxlen=48)
+        # Validation: every `val_every` steps (None: off); (step, loss) of the passes so far.
+        self.val_every = val_every
+        self.val_history: deque[tuple[int, float]] = deque(maxlen=48)
+        self.columns = PLAIN_COLUMNS + ([VAL_COLUMN] if val_every else [])
         self._header_printed = False
         self._live: Live | None = None
         # The smallest ceiling, RAM or a cgroup's (a container's RSS is measured against that); read once.
@@ -159,9 +168,11 @@ class Dashboard:
     def update(self, m: StepMetrics) -> None:
         if m.loss is not None:
             self.loss_history.append(m.loss)
+        if m.val_loss is not None:
+            self.val_history.append((m.step, m.val_loss))
         if self.mode == "plain":
             if not self._header_printed:
-                self.console.out(plain_header(), highlight=False)
+                self.console.out(plain_header(self.columns), highlight=False)
                 self._header_printed = True
             self.console.out(self.format_plain(m), highlight=False)
         elif self.mode == "rich":
@@ -178,9 +189,9 @@ class Dashboard:
 
     # -------------------------------------------------------- output
     def format_plain(self, m: StepMetrics) -> str:
-        cells = [fn(m) for _, _, fn in PLAIN_COLUMNS]
+        cells = [fn(m) for _, _, fn in self.columns]
         cells[0] = fmt_step(m, self.total_steps)
-        return _plain_row(cells)
+        return _plain_row(cells, self.columns)
 
     def render(self, m: StepMetrics) -> RenderableType:
         top = Table.grid(expand=True, padding=(0, 1))
@@ -209,11 +220,24 @@ class Dashboard:
         return _panel("training", [
             ("loss", fmt_num(m.loss, ".4f")),
             ("loss trend", sparkline(list(self.loss_history)) if len(self.loss_history) > 1 else "(from step 2)"),
+            *self._val_rows(),
             ("lr", fmt_num(m.lr, ".3e")),
             ("grad norm", fmt_num(m.grad_norm, ".4g")),
             ("tokens / step", f"{m.tokens:,} ({m.loss_tokens:,} with loss)"),
             ("skipped steps", str(m.skipped_steps)),
         ])
+
+    def _val_rows(self) -> list[tuple[str, str]]:
+        """The latest validation loss and the step it was measured at (validation runs every val_every
+        steps, so most frames show an older pass's value, said as such); nothing when validation is off."""
+        if not self.val_every:
+            return []
+        if not self.val_history:
+            return [("val loss", f"(every {self.val_every} steps; none yet)")]
+        step, value = self.val_history[-1]
+        values = [v for _, v in self.val_history]
+        trend = sparkline(values) if len(values) > 1 else f"(every {self.val_every} steps)"
+        return [("val loss", f"{fmt_num(value, '.4f')}  (step {step})"), ("val trend", trend)]
 
     def _throughput_panel(self, m: StepMetrics) -> Panel:
         return _panel("throughput", [

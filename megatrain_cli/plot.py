@@ -1,4 +1,5 @@
-"""A run's curves as one hand-written SVG: loss and model TFLOPS over steps (no plotting library).
+"""A run's curves as one hand-written SVG: loss (training and, when the run validated, validation) and
+model TFLOPS over steps (no plotting library).
 
     python -m megatrain_cli.plot RUN_DIR      # reads RUN_DIR/metrics.jsonl, writes RUN_DIR/metrics.svg
 """
@@ -11,14 +12,18 @@ import sys
 from pathlib import Path
 from xml.sax.saxutils import escape
 
-# (metrics.jsonl key, chart title). A series with no value at all (TFLOPS of an old log) is skipped.
+# (chart title, its series: (metrics.jsonl key, legend label, sparse)). A series with no value at all
+# (TFLOPS of an old log, the validation loss of a run without validation) is skipped, and so is a chart
+# left with none. A sparse series is measured at some steps only (validation: every eval.every_n_steps):
+# its line joins the steps that have a value; a dense one breaks where a step has none (a skipped step).
 CHARTS = [
-    ("loss", "loss"),
-    ("model_tflops", "model TFLOPS (recompute not counted)"),
+    ("loss", [("loss", "training", False), ("val_loss", "validation", True)]),
+    ("model TFLOPS (recompute not counted)", [("model_tflops", "", False)]),
 ]
 WIDTH, CHART_HEIGHT = 720, 260
 MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 70, 20, 32, 40
-SERIES_COLOURS = ["#1f77b4", "#d62728"]
+SERIES_COLOURS = ["#1f77b4", "#d62728"]  # each chart's first series
+SPARSE_COLOUR = "#ff7f0e"  # the validation loss
 
 
 # ---------------------------------------------------------------- reading
@@ -45,14 +50,16 @@ def read_records(path: Path) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def segments(records: list[dict], key: str) -> list[list[tuple[int, float]]]:
-    """(step, value) runs of `key`; a step without a finite value ends a run, so gaps show as gaps."""
+def segments(records: list[dict], key: str, sparse: bool = False) -> list[list[tuple[int, float]]]:
+    """(step, value) runs of `key`; a step without a finite value ends a run, so gaps show as gaps.
+    `sparse`: a step without the key (or with null: not measured there) does not end a run; a
+    non-finite value still does."""
     runs: list[list[tuple[int, float]]] = [[]]
     for record in records:
         value = record.get(key)
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             runs[-1].append((int(record["step"]), float(value)))
-        elif runs[-1]:
+        elif runs[-1] and not (sparse and value is None):
             runs.append([])
     return [run for run in runs if run]
 
@@ -93,8 +100,12 @@ class Frame:
 
 
 # ---------------------------------------------------------------- drawing
-def chart(top: float, title: str, runs: list[list[tuple[int, float]]], colour: str) -> list[str]:
-    points = [p for run in runs for p in run]
+Series = tuple[str, list[list[tuple[int, float]]], str, bool]  # (legend label, runs, colour, marked points)
+
+
+def chart(top: float, title: str, series: list[Series]) -> list[str]:
+    """One chart: every series on shared axes, a legend when there is more than one."""
+    points = [p for _, runs, _, _ in series for run in runs for p in run]
     steps, values = [s for s, _ in points], [v for _, v in points]
     # x spans exactly the logged steps (ticks only inside); y widens to round tick values.
     x_range = (min(steps), max(steps)) if min(steps) < max(steps) else (min(steps) - 1, max(steps) + 1)
@@ -114,11 +125,18 @@ def chart(top: float, title: str, runs: list[list[tuple[int, float]]], colour: s
     # The axes last, so the grid line at the lowest tick does not paint over them.
     out.append(f'<line x1="{f.left}" y1="{f.bottom}" x2="{f.right}" y2="{f.bottom}" class="axis"/>')
     out.append(f'<line x1="{f.left}" y1="{f.top}" x2="{f.left}" y2="{f.bottom}" class="axis"/>')
-    for run in runs:
-        coords = " ".join(f"{f.x(s):.1f},{f.y(v):.1f}" for s, v in run)
-        out.append(f'<polyline points="{coords}" class="series" stroke="{colour}"/>')
-        if len(run) == 1:  # a lone point draws no line: mark it
-            out.append(f'<circle cx="{f.x(run[0][0]):.1f}" cy="{f.y(run[0][1]):.1f}" r="2.5" fill="{colour}"/>')
+    for index, (label, runs, colour, marked) in enumerate(series):
+        for run in runs:
+            coords = " ".join(f"{f.x(s):.1f},{f.y(v):.1f}" for s, v in run)
+            out.append(f'<polyline points="{coords}" class="series" stroke="{colour}"/>')
+            # A lone point draws no line: mark it; a sparse series marks every measured step.
+            for s, v in (run if marked or len(run) == 1 else []):
+                out.append(f'<circle cx="{f.x(s):.1f}" cy="{f.y(v):.1f}" r="2.5" fill="{colour}"/>')
+        if len(series) > 1:
+            x = f.right - 110 * (len(series) - index)
+            out.append(f'<line x1="{x}" y1="{top + 16}" x2="{x + 18}" y2="{top + 16}" stroke="{colour}" '
+                       f'stroke-width="2"/>')
+            out.append(f'<text x="{x + 22}" y="{top + 20}">{escape(label)}</text>')
     return out
 
 
@@ -126,13 +144,18 @@ def plot_run(run_dir: str) -> Path:
     """Read run_dir/metrics.jsonl, write run_dir/metrics.svg, return its path."""
     source = Path(run_dir) / "metrics.jsonl"
     records = read_records(source)
-    drawn = [(title, runs) for key, title in CHARTS if (runs := segments(records, key))]
+    drawn = []
+    for index, (title, wanted) in enumerate(CHARTS):
+        series = [(label, runs, SPARSE_COLOUR if sparse else SERIES_COLOURS[index % len(SERIES_COLOURS)], sparse)
+                  for key, label, sparse in wanted if (runs := segments(records, key, sparse))]
+        if series:
+            drawn.append((title, series))
     if not drawn:
         raise ValueError(f"{source}: no finite loss or TFLOPS value in {len(records)} record(s); nothing to plot")
     height = CHART_HEIGHT * len(drawn)
     body: list[str] = []
-    for index, (title, runs) in enumerate(drawn):
-        body += chart(index * CHART_HEIGHT, title, runs, SERIES_COLOURS[index % len(SERIES_COLOURS)])
+    for index, (title, series) in enumerate(drawn):
+        body += chart(index * CHART_HEIGHT, title, series)
     svg = "\n".join([
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">',

@@ -174,3 +174,29 @@ def test_unknown_mode_is_rejected():
 def test_formatters():
     assert fmt_bytes(None) == "n/a" and fmt_bytes(512) == "512 B" and fmt_bytes(3 * 2**30) == "3.0 GiB"
     assert fmt_duration(None) == "n/a" and fmt_duration(3725) == "1:02:05"
+
+
+# ---------------------------------------------------------------- validation loss
+def test_plain_lines_gain_a_val_loss_column_when_validation_is_on():
+    out = io.StringIO()
+    dash = Dashboard(mode="plain", total_steps=10, console=Console(file=out, width=60), val_every=2)
+    dash.update(cpu_step(step=1))
+    dash.update(cpu_step(step=2, val_loss=1.875))
+    lines = out.getvalue().splitlines()
+    assert [c.strip() for c in lines[0].split("|")][-1] == "val loss"
+    assert [line.split("|")[-1].strip() for line in lines[1:]] == ["n/a", "1.8750"]  # none measured at step 1
+    assert len({len(line) for line in lines}) == 1  # still aligned
+    off = io.StringIO()
+    Dashboard(mode="plain", console=Console(file=off)).update(cpu_step(step=1))
+    assert "val loss" not in off.getvalue()  # validation off: no column
+
+
+def test_rich_frame_shows_the_latest_validation_loss_its_step_and_trend():
+    dash = Dashboard(mode="off", val_every=20)
+    assert "(every 20 steps; none yet)" in line_with(frame_text(dash, cpu_step(step=3)), "val loss")
+    for step, val in ((20, 3.0), (40, 2.0), (60, 1.5)):
+        dash.update(cpu_step(step=step, val_loss=val))
+    text = frame_text(dash, cpu_step(step=61))  # a later step without a pass: the last one's value, said so
+    assert "1.5000  (step 60)" in panel_cell(line_with(text, "val loss"), "val loss")
+    assert "█▃▁" in line_with(text, "val trend")
+    assert "val loss" not in frame_text(Dashboard(mode="off"), cpu_step())  # validation off: no row

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -176,8 +177,10 @@ def test_plain_and_chat_templates(tok):
     system = [{"role": "system", "content": "s"}]
     assert render_prompt(chatty, "hi", "chat", system) == "<system>s\n<user>hi\n<assistant>"
     assert render_prompt(chatty, "hi", "plain") == "Question: hi\nAnswer: "
-    with pytest.warns(UserWarning, match="no chat template"):
-        assert render_prompt(tok, "hi", "chat") == "Question: hi\nAnswer: "
+    # Asking for the chat template of a tokenizer without one is refused, naming the key and the tokenizer.
+    with pytest.raises(DataError, match=r"data.template=chat needs the tokenizer's chat template, and the bundled "
+                                        r"tokenizer .* has none.*data.template=plain"):
+        render_prompt(tok, "hi", "chat")
 
 
 def bos_tokenizer():
@@ -364,12 +367,16 @@ def test_tokenisation_is_cached_on_disk_and_keyed_by_data_tokenizer_and_template
     # The same entry serves another seq_len (it holds untruncated ids).
     shorter = build_train_data(exs, tok, DataConfig(cache_dir=str(tmp_path)), seq_len=64, seed=0)
     assert shorter.num_examples <= first.num_examples
-    # Other data, another template: other keys, so these must tokenise (and fail here).
-    for other_exs, template in ((exs[:49], "auto"), (exs, "plain")):
-        assert token_cache.cache_key(other_exs, tok, template) != entries[0].stem
+    # Other data, another template, another train_on, a system prompt: other keys, so these must tokenise
+    # (and fail here).
+    assert token_cache.cache_key(exs, tok, "auto", "all_assistant") == entries[0].stem
+    system = [dataclasses.replace(e, history=[{"role": "system", "content": "Be brief."}]) for e in exs]
+    for other_exs, template, train_on in ((exs[:49], "auto", "all_assistant"), (exs, "plain", "all_assistant"),
+                                          (exs, "auto", "last_assistant"), (system, "auto", "all_assistant")):
+        assert token_cache.cache_key(other_exs, tok, template, train_on) != entries[0].stem
         with pytest.raises(AssertionError, match="tokenised again"):
-            build_train_data(other_exs, tok, DataConfig(cache_dir=str(tmp_path), template=template),
-                             seq_len=128, seed=0)
+            build_train_data(other_exs, tok, DataConfig(cache_dir=str(tmp_path), template=template,
+                                                        train_on=train_on), seq_len=128, seed=0)
     monkeypatch.undo()
     # A damaged entry is rebuilt, never trusted.
     entries[0].write_bytes(b"not a safetensors file")

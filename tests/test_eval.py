@@ -18,7 +18,7 @@ from megatrain_cli.recipe import DataConfig
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 RESULT_KEYS = {"accuracy", "correct", "total", "unparseable", "generated_tokens", "tokens_per_s", "generation_s",
-               "model_path", "data_source", "split", "limit", "template", "device", "dtype"}
+               "model_path", "data_source", "split", "limit", "template", "device", "dtype", "scores", "protocol"}
 PREDICTION_KEYS = {"prompt", "output", "extracted", "gold", "correct"}
 
 

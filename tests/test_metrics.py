@@ -124,19 +124,34 @@ def test_jsonl_log_appends_flushed_lines_with_every_key(tmp_path):
     assert len(path.read_text().splitlines()) == 4
 
 
-def test_tensorboard_log_is_a_noop_without_tensorboard(tmp_path):
-    log = TensorBoardLog(tmp_path / "tb")
-    try:
-        import tensorboard  # noqa: F401
-    except ImportError:
-        assert log.available is False
-        log.write(cpu_metrics())  # must not raise
-        assert not (tmp_path / "tb").exists()
-    else:
-        assert log.available is True
-        log.write(cpu_metrics())
-        assert any((tmp_path / "tb").iterdir())
-    log.close()
+def test_jsonl_log_is_a_metrics_sink_and_writes_val_loss_where_measured(tmp_path):
+    """One interface for every sink (metrics/logs.py, metrics/trackers.py); the validation loss is a field
+    of the same record: null at the steps without a validation pass, the value at those with one."""
+    from megatrain_cli.metrics import trackers
+    from megatrain_cli.metrics.logs import MetricsSink
+
+    assert all(issubclass(cls, MetricsSink) for cls in (JsonlLog, TensorBoardLog, trackers.WandbLog,
+                                                         trackers.MlflowLog))
+    path = tmp_path / "metrics.jsonl"
+    with JsonlLog(path) as log:
+        log.write(cpu_metrics(step=1))
+        log.write(cpu_metrics(step=2, val_loss=1.75))
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [r["val_loss"] for r in records] == [None, 1.75]
+
+
+def test_keep_steps_up_to_drops_the_steps_a_resume_redoes_and_a_torn_line(tmp_path):
+    from megatrain_cli.metrics.logs import keep_steps_up_to
+
+    path = tmp_path / "metrics.jsonl"
+    with JsonlLog(path) as log:
+        for step in (1, 2, 3, 4):
+            log.write(cpu_metrics(step=step, val_loss=2.0 if step == 4 else None))
+    with open(path, "a") as f:
+        f.write('{"step": 5, "lo')  # killed mid-write
+    assert keep_steps_up_to(path, 2) == 3
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
+    assert keep_steps_up_to(path, 2) == 0  # nothing to drop: the file is left as it is
 
 
 @pytest.mark.parametrize("keep,expect_recomputed", [(frozenset(), 4), (frozenset({1}), 2), (frozenset({0, 1}), 0)])

@@ -22,6 +22,7 @@ from megatrain_cli.models.families import VERIFIED_MOE, moe_spec
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.test_families import assert_parity
 from tests.reference import random_batches, reference_model, reference_train, tiny_config
 
 STEPS, ACCUM, SEQ = 3, 2, 16
@@ -56,13 +57,6 @@ def run_both(config, *, edit=None, keep_blocks=frozenset(), aux=True, interval=2
     return store, ref, ref_losses, results
 
 
-def assert_parity(store, ref, ref_losses, results):
-    for step, (res, expected) in enumerate(zip(results, ref_losses)):
-        assert res.losses == pytest.approx(expected, rel=1e-5), f"step {step} losses"
-        assert res.grad_norm > 0.5, "clipping must be active in this test"
-    ours = store.hf_state_dict()
-    for name, expected in ref.state_dict().items():
-        torch.testing.assert_close(ours[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
 def test_every_verified_moe_family_has_a_case():

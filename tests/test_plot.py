@@ -104,3 +104,31 @@ def test_nice_ticks_cover_the_range_with_round_steps():
     assert nice_ticks(1.0, 7.0, integer=True) == [0.0, 2.0, 4.0, 6.0, 8.0]
     ticks = nice_ticks(2.3, 2.3)
     assert ticks[0] < 2.3 < ticks[-1]
+
+
+def test_validation_loss_is_a_second_series_of_the_loss_chart(tmp_path):
+    """Measured every few steps only, the validation loss joins its own points (marked) across the steps
+    between, on the loss chart's axes, with a legend; the training loss and TFLOPS lines are unchanged."""
+    metrics = [step_metrics(s, tflops=10.0 + s) for s in range(1, 11)]
+    for m in metrics:
+        if m.step % 4 == 0 or m.step == 10:
+            m.val_loss = 4.0 / m.step
+    write_run(tmp_path, metrics)
+    target = plot_run(str(tmp_path))
+    train, val, tflops = polylines(target)
+    assert (len(train), len(val), len(tflops)) == (10, 3, 10)
+    by_step = dict(zip(range(1, 11), train))
+    assert [x for x, _ in val] == [by_step[s][0] for s in (4, 8, 10)]  # the same x axis
+    assert [y for _, y in val] == sorted(y for _, y in val)  # falling loss: y grows downwards
+    for x, y in val:  # inside the loss chart, the first one
+        assert MARGIN_LEFT <= x <= WIDTH - MARGIN_RIGHT and MARGIN_TOP <= y <= CHART_HEIGHT - MARGIN_BOTTOM
+    root = ET.parse(target).getroot()
+    circles = {(float(c.get("cx")), float(c.get("cy"))) for c in root.iter(SVG + "circle")}
+    assert set(val) <= circles  # every validation point marked
+    assert "validation" in target.read_text() and "training" in target.read_text()
+
+
+def test_a_run_without_validation_has_no_validation_series_or_legend(tmp_path):
+    write_run(tmp_path, [step_metrics(s) for s in range(1, 5)])
+    text = plot_run(str(tmp_path)).read_text()
+    assert "validation" not in text and "training" not in text

@@ -1,4 +1,5 @@
-"""The data path: sources and formats -> examples -> seeded train/test split -> packed training rows.
+"""The data path: sources and formats (or registry names, mixed by weight) -> examples -> seeded
+train/test split -> rendered turns (chat template or plain) -> ids with a loss mask -> packed rows.
 
 `datasets` is only imported where a source needs it (saved / hub data sets, parallel tokenisation).
 """

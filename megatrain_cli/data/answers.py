@@ -2,7 +2,9 @@
 
 Used for the gold answers of the data (so train and eval read them the same way) and for model
 outputs. Markers are tried from the most explicit to the least: MetaMathQA's 'The answer is: X',
-GSM8K's '#### X', LaTeX '\\boxed{X}', and finally the last number in the text.
+GSM8K's '#### X', LaTeX '\\boxed{X}', and finally the last number in the text. The eval's 'strict'
+mode stops before that last guess (lm-evaluation-harness's strict-match reads only '#### X'; its
+flexible-extract takes the last number), so a score says which it used.
 """
 
 from __future__ import annotations
@@ -20,10 +22,14 @@ NUMBER = re.compile(r"-?\$?\s?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+(?:\.\d
 LEADING_NUMBER = re.compile(rf"^({NUMBER.pattern})(?=\s|$|[,;:!?)]|\.(?:\s|$))")
 FRAC = re.compile(r"^(-?)\\[dt]?frac\{([^{}]+)\}\{([^{}]+)\}$")
 TOLERANCE = 1e-6
+EXTRACT_MODES = ("strict", "flexible")
 
 
-def extract_answer(text: str) -> str | None:
-    """The final answer of a solution text, as written (trimmed), or None when it has none."""
+def extract_answer(text: str, mode: str = "flexible") -> str | None:
+    """The final answer of a solution text, as written (trimmed), or None when it has none.
+    `mode` 'strict': only an answer after a marker; 'flexible': else the text's last number too."""
+    if mode not in EXTRACT_MODES:
+        raise ValueError(f"extract: expected one of {', '.join(EXTRACT_MODES)}, got {mode!r}")
     if not text:
         return None
     for pattern in (ANSWER_IS, HASHES):
@@ -35,6 +41,8 @@ def extract_answer(text: str) -> str | None:
     boxed = _last_boxed(text)
     if boxed is not None:
         return _clean_marked(boxed)
+    if mode == "strict":
+        return None
     numbers = NUMBER.findall(text)
     return _clean_marked(numbers[-1]) if numbers else None
 

@@ -8,7 +8,14 @@ from dataclasses import dataclass, field
 @dataclass
 class Example:
     prompt: str  # the user turn, before any template
-    response: str  # the target text (loss is taken on it, plus eos)
+    response: str  # the target text (loss is taken on it, plus its end of turn)
     answer: str | None = None  # the gold final answer for exact-match eval, when one could be read
-    # Earlier turns of a multi-turn `messages` record ({role, content}), rendered before `prompt`.
+    # Earlier turns ({role, content}), rendered before `prompt`: a system prompt, earlier user and assistant
+    # turns of a multi-turn chat (supervised too with data.train_on all_assistant), few-shot examples.
     history: list[dict] = field(default_factory=list)
+    chat: bool = False  # read from a chat layout (messages / conversations): rendered with a chat template
+
+    def messages(self) -> list[dict]:
+        """The whole conversation, ending in the reply."""
+        return [*self.history, {"role": "user", "content": self.prompt},
+                {"role": "assistant", "content": self.response}]

@@ -3,7 +3,11 @@
 Each format names its fields canonically (MetaMathQA `query`/`response`, GSM8K `question`/`answer`,
 Alpaca `instruction`/`input`/`output`, chat `messages`); `data.fields` maps a canonical name to the
 data set's own field name. One extra key, `gold`, names a field holding the final answer directly
-(otherwise it is read from the response: 'The answer is: X', '#### X', or its last number).
+(otherwise it is read from the response: 'The answer is: X', '#### X', or its last number); another,
+`system`, a field holding the record's system prompt (read when present, in every format).
+
+Chats come in two layouts, both read as format `messages`: OpenAI's `messages` of {role, content}
+(system / user / assistant) and ShareGPT's `conversations` of {from, value} (system / human / gpt).
 """
 
 from __future__ import annotations
@@ -19,17 +23,19 @@ REQUIRED_FIELDS = {
     "messages": ("messages",),
 }
 OPTIONAL_FIELDS = {"alpaca": ("input",)}
+SYSTEM_KEY = "system"
 DETECTION_ORDER = ("messages", "metamathqa", "gsm8k", "alpaca")
 GOLD_KEY = "gold"
 # ShareGPT-style chats use other names for the same things.
 MESSAGE_FIELD_ALIASES = ("messages", "conversations")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def valid_field_keys() -> list[str]:
     keys = {k for fields in REQUIRED_FIELDS.values() for k in fields}
     keys |= {k for fields in OPTIONAL_FIELDS.values() for k in fields}
-    return sorted(keys) + [GOLD_KEY]
+    return sorted(keys) + [GOLD_KEY, SYSTEM_KEY]
 
 
 def check_field_overrides(fields: dict, label: str) -> None:
@@ -73,12 +79,18 @@ def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str)
     convert = {"metamathqa": _prompt_response("query", "response"), "gsm8k": _prompt_response("question", "answer"),
                "alpaca": _alpaca, "messages": _messages}[fmt]
     gold_field = fields.get(GOLD_KEY)
+    system_field = fields.get(SYSTEM_KEY, SYSTEM_KEY)
     examples = []
     for i, record in enumerate(records):
         where = f"{label}: record {i}"
         if not isinstance(record, dict):
             raise DataError(f"{where} is a {type(record).__name__}, expected an object with fields")
         example = convert(record, fmt, fields, where)
+        system = record.get(system_field)
+        if isinstance(system, str) and system.strip() and not any(t["role"] == "system" for t in example.history):
+            example.history.insert(0, {"role": "system", "content": system})
+        elif system_field != SYSTEM_KEY and system_field not in record:
+            raise DataError(f"{where}: missing field {system_field!r} (data.fields.system)")
         if gold_field is not None:
             example.answer = _gold(record, gold_field, where)
         else:
@@ -124,12 +136,16 @@ def _messages(record: dict, fmt: str, fields: dict, where: str) -> Example:
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where}: field {name!r} should be a non-empty list of {{role, content}} messages")
     messages = [_message(turn, f"{where}, {name}[{j}]") for j, turn in enumerate(turns)]
+    late_system = [j for j, m in enumerate(messages) if m["role"] == "system" and j > 0]
+    if late_system:
+        raise DataError(f"{where}: {name}[{late_system[0]}] is a system message after the conversation started "
+                        f"(a system prompt goes first)")
     if messages[-1]["role"] != "assistant":
         raise DataError(f"{where}: the last message of {name!r} should be the assistant's reply (the target), "
                         f"got role {messages[-1]['role']!r}")
     if len(messages) < 2 or messages[-2]["role"] != "user":
         raise DataError(f"{where}: the assistant's reply in {name!r} should follow a user message")
-    return Example(messages[-2]["content"], messages[-1]["content"], history=messages[:-2])
+    return Example(messages[-2]["content"], messages[-1]["content"], history=messages[:-2], chat=True)
 
 
 def _message(turn, where: str) -> dict:
@@ -139,7 +155,11 @@ def _message(turn, where: str) -> dict:
     content = turn.get("content", turn.get("value"))
     if not isinstance(role, str) or not isinstance(content, str):
         raise DataError(f"{where}: missing field 'role' or 'content' (fields present: {', '.join(turn)})")
-    return {"role": ROLE_ALIASES.get(role, role), "content": content}
+    role = ROLE_ALIASES.get(role, role)
+    if role not in ROLES:
+        raise DataError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)}; ShareGPT's "
+                        f"{', '.join(ROLE_ALIASES)} are read as user / assistant)")
+    return {"role": role, "content": content}
 
 
 def _gold(record: dict, gold_field: str, where: str) -> str | None:

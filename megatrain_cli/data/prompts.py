@@ -7,8 +7,9 @@ have merged across the boundary.
 
 from __future__ import annotations
 
-import warnings
+from megatrain_cli.data.errors import DataError
 
+TEMPLATES = ("auto", "chat", "plain")
 PLAIN_TEMPLATE = "Question: {prompt}\nAnswer: "
 # Where a plain-template model that does not stop at eos starts inventing the next question.
 PLAIN_STOP_STRINGS = ("\nQuestion:",)
@@ -18,27 +19,41 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def uses_chat_template(tokenizer, template: str) -> bool:
-    if template not in ("auto", "chat", "plain"):
-        raise ValueError(f"data.template: expected 'auto', 'chat' or 'plain', got {template!r}")
+def uses_chat_template(tokenizer, template: str, chat_data: bool = False, key: str = "data.template") -> bool:
+    """Whether prompts go through the tokenizer's chat template. 'chat', and chat data (a messages /
+    conversations layout) under 'auto', need one: without it the run is refused (DataError naming `key`
+    and the tokenizer), never quietly rendered as Question/Answer text; 'plain' says that is wanted."""
+    if template not in TEMPLATES:
+        raise ValueError(f"{key}: expected 'auto', 'chat' or 'plain', got {template!r}")
     if template == "plain":
         return False
     if has_chat_template(tokenizer):
         return True
-    if template == "chat":
-        warnings.warn("data.template is 'chat' but the tokenizer has no chat template; using the plain "
-                      "'Question: ... Answer: ' template", stacklevel=3)
+    if template == "chat" or chat_data:
+        why = f"{key}={template}" if template == "chat" else "chat data (a messages / conversations layout)"
+        raise DataError(f"{key}: {why} needs the tokenizer's chat template, and {tokenizer_name(tokenizer)} "
+                        f"has none (no chat_template in its tokenizer_config.json or "
+                        f"chat_template.jinja); use a model whose tokenizer has one (an instruct / chat model, "
+                        f"or model.tokenizer pointing at one), or set {key}=plain to render the turns as "
+                        f"'Question: ... Answer: ' text")
     return False
 
 
-def render_prompt(tokenizer, prompt: str, template: str, history: list[dict] | None = None) -> str:
+def tokenizer_name(tokenizer) -> str:
+    """The tokenizer as messages name it: its model directory, or the bundled one (presets use it)."""
+    path = getattr(tokenizer, "name_or_path", "")
+    return f"the tokenizer of {path}" if path else "the bundled tokenizer (model presets use it)"
+
+
+def render_prompt(tokenizer, prompt: str, template: str, history: list[dict] | None = None,
+                  chat_data: bool = False) -> str:
     """The prompt text the model sees, up to where its answer starts.
 
     `history` holds earlier turns of a chat ({role, content}); the chat template renders them as
     they are, the plain template as earlier Question/Answer pairs.
     """
     history = history or []
-    if uses_chat_template(tokenizer, template):
+    if uses_chat_template(tokenizer, template, chat_data):
         messages = [*history, {"role": "user", "content": prompt}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     parts = []
@@ -52,9 +67,9 @@ def render_prompt(tokenizer, prompt: str, template: str, history: list[dict] | N
     return "".join(parts) + PLAIN_TEMPLATE.format(prompt=prompt)
 
 
-def stop_strings(tokenizer, template: str) -> list[str]:
+def stop_strings(tokenizer, template: str, chat_data: bool = False) -> list[str]:
     """Text after which generation is over, beyond the eos token."""
-    return [] if uses_chat_template(tokenizer, template) else list(PLAIN_STOP_STRINGS)
+    return [] if uses_chat_template(tokenizer, template, chat_data) else list(PLAIN_STOP_STRINGS)
 
 
 def default_prefix_ids(tokenizer) -> list[int]:

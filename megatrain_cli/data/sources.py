@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from megatrain_cli.data.errors import DataError
+from megatrain_cli.recipe.checks import REGISTRY_PREFIX
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_SOURCES = {"sample_math": ASSETS_DIR / "sample_math.jsonl"}  # made by data/sample_math.py
@@ -49,7 +50,10 @@ def read_records(source: str, split: str | None = None, *, default_split: str = 
 def check_source(source: str, key: str = "data.source") -> None:
     """Raise DataError, naming `key`, when `source` cannot be there: an unknown built-in or a local path
     that does not exist. Reads no record (the pre-flight check runs it before anything is built); a hub
-    name is left to the loader, which may need the network."""
+    name is left to the loader, which may need the network, and a `registry:NAME` to the registry (load.py),
+    which needs data.registry."""
+    if source.startswith(REGISTRY_PREFIX):
+        return
     if source.startswith("builtin:"):
         if source[len("builtin:"):] not in BUILTIN_SOURCES:
             raise DataError(f"{key}: unknown built-in data set {source!r} "

@@ -1,15 +1,15 @@
 """A disk cache of tokenised examples, so a rerun (a resume, a second recipe on the same data) skips
 tokenisation.
 
-Key: SHA-256 over the examples' text (prompt, history, response, in order), the tokenizer's full
-serialisation (vocabulary, merges, normaliser, chat template, special tokens) and the prompt
-template. Hashing the text costs one pass over it, far less than tokenising it. What is cached is the
-untruncated (prompt ids, response ids + eos) of every example, before seq_len is applied, so the
-same entry serves every seq_len and packing choice.
+Key: SHA-256 over the examples' text (prompt, history with any system prompt, response, chat layout,
+in order), the tokenizer's full serialisation (vocabulary, merges, normaliser, chat template, special
+tokens), the prompt template and `data.train_on`. Hashing the text costs one pass over it, far less
+than tokenising it. What is cached is the untruncated (ids, loss mask) of every example, before
+seq_len is applied, so the same entry serves every seq_len and packing choice.
 
-Format: one safetensors file (no pickle) with four int32/int64 tensors: prompt tokens, response
-tokens, and each example's prompt and response lengths. Written to a temporary name and renamed, so
-an interrupted write never leaves a truncated entry that a later run would trust.
+Format: one safetensors file (no pickle) with three tensors: every example's tokens back to back
+(int32), their loss mask (uint8) and each example's length (int64). Written to a temporary name and
+renamed, so an interrupted write never leaves a truncated entry that a later run would trust.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from typing import Iterator
 import numpy as np
 
 from megatrain_cli.data.example import Example
+from megatrain_cli.data.tokenize import BATCH_SIZE, Batch, iter_tokenized
 
-FORMAT_VERSION = 1  # bump when what tokenize_batch produces changes
+FORMAT_VERSION = 2  # bump when what tokenize_batch produces changes
 
 
 def default_cache_dir() -> Path:
@@ -42,11 +43,11 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return h.hexdigest()
 
 
-def cache_key(examples: list[Example], tokenizer, template: str) -> str:
-    h = hashlib.sha256(f"megatrain-tokens:v{FORMAT_VERSION}:{template}:".encode())
+def cache_key(examples: list[Example], tokenizer, template: str, train_on: str) -> str:
+    h = hashlib.sha256(f"megatrain-tokens:v{FORMAT_VERSION}:{template}:{train_on}:".encode())
     h.update(tokenizer_fingerprint(tokenizer).encode())
     for ex in examples:
-        h.update(b"\x00p")
+        h.update(b"\x00c" if ex.chat else b"\x00p")
         h.update(ex.prompt.encode())
         h.update(b"\x00h")
         h.update(json.dumps(ex.history).encode() if ex.history else b"")
@@ -55,31 +56,31 @@ def cache_key(examples: list[Example], tokenizer, template: str) -> str:
     return h.hexdigest()
 
 
-def read(path: Path, batch_size: int) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+def read(path: Path, batch_size: int) -> Iterator[Batch]:
     """The cached entry in batches shaped like tokenize.iter_tokenized's."""
     from safetensors.numpy import load_file
 
     t = load_file(str(path))
-    p_off = np.concatenate([[0], np.cumsum(t["prompt_lens"])])
-    r_off = np.concatenate([[0], np.cumsum(t["response_lens"])])
-    prompt_tokens, response_tokens = t["prompt_tokens"], t["response_tokens"]
-    n = len(t["prompt_lens"])
+    off = np.concatenate([[0], np.cumsum(t["lengths"])])
+    tokens, mask = t["tokens"], t["loss_mask"]
+    if len(tokens) != len(mask) or off[-1] != len(tokens):
+        raise ValueError(f"{path}: inconsistent entry")
+    n = len(t["lengths"])
     for lo in range(0, n, batch_size):
         hi = min(n, lo + batch_size)
-        yield ([prompt_tokens[p_off[i]:p_off[i + 1]].tolist() for i in range(lo, hi)],
-               [response_tokens[r_off[i]:r_off[i + 1]].tolist() for i in range(lo, hi)])
+        yield ([tokens[off[i]:off[i + 1]].tolist() for i in range(lo, hi)],
+               [mask[off[i]:off[i + 1]].tolist() for i in range(lo, hi)])
 
 
-def write(path: Path, batches: list[tuple[list[list[int]], list[list[int]]]]) -> None:
+def write(path: Path, batches: list[Batch]) -> None:
     from safetensors.numpy import save_file
 
-    prompts = [ids for p, _ in batches for ids in p]
-    responses = [ids for _, r in batches for ids in r]
+    ids = [x for b, _ in batches for x in b]
+    masks = [m for _, mb in batches for m in mb]
     tensors = {
-        "prompt_tokens": np.fromiter((t for ids in prompts for t in ids), dtype=np.int32),
-        "response_tokens": np.fromiter((t for ids in responses for t in ids), dtype=np.int32),
-        "prompt_lens": np.array([len(ids) for ids in prompts], dtype=np.int64),
-        "response_lens": np.array([len(ids) for ids in responses], dtype=np.int64),
+        "tokens": np.fromiter((t for x in ids for t in x), dtype=np.int32),
+        "loss_mask": np.fromiter((v for m in masks for v in m), dtype=np.uint8),
+        "lengths": np.array([len(x) for x in ids], dtype=np.int64),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -87,16 +88,14 @@ def write(path: Path, batches: list[tuple[list[list[int]], list[list[int]]]]) ->
     os.replace(tmp, path)
 
 
-def cached_tokenized(examples: list[Example], tokenizer, template: str, num_proc: int = 1,
-                     cache_dir: str = "auto") -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+def cached_tokenized(examples: list[Example], tokenizer, template: str, train_on: str, num_proc: int = 1,
+                     cache_dir: str = "auto") -> Iterator[Batch]:
     """tokenize.iter_tokenized through the cache: 'auto' (default_cache_dir()), a directory, or 'off'."""
-    from megatrain_cli.data.tokenize import BATCH_SIZE, iter_tokenized
-
     if cache_dir == "off":
-        yield from iter_tokenized(examples, tokenizer, template, num_proc)
+        yield from iter_tokenized(examples, tokenizer, template, train_on, num_proc)
         return
     directory = default_cache_dir() if cache_dir == "auto" else Path(cache_dir)
-    path = directory / f"{cache_key(examples, tokenizer, template)}.safetensors"
+    path = directory / f"{cache_key(examples, tokenizer, template, train_on)}.safetensors"
     if path.is_file():
         try:
             cached = list(read(path, BATCH_SIZE))  # read fully first: a bad file falls back before yielding
@@ -106,7 +105,7 @@ def cached_tokenized(examples: list[Example], tokenizer, template: str, num_proc
             yield from cached
             return
     batches = []
-    for batch in iter_tokenized(examples, tokenizer, template, num_proc):
+    for batch in iter_tokenized(examples, tokenizer, template, train_on, num_proc):
         batches.append(batch)
         yield batch
     try:

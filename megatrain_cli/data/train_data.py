@@ -1,7 +1,8 @@
 """Training rows and the batch stream the trainer draws from.
 
-Every example becomes prompt ids (label -100: no loss) followed by response ids and eos (labelled
-with their own ids; the engine shifts labels, as HF does). Rows are `seq_len` long: with packing,
+Every example becomes ids and a loss mask (tokenize.py): tokens of a supervised reply, its end of turn
+included, are labelled with their own ids (the engine shifts labels, as HF does), every other token
+with -100 (no loss): the prompt, the turns around the replies. Rows are `seq_len` long: with packing,
 several examples per row, `position_ids` restarting at 0 where each one starts (the engine turns the
 resets into a block-causal mask, so examples never see each other); without it, one example per
 row. The tail of a row is padding: pad ids, label -100, positions continuing the last example (so
@@ -23,6 +24,7 @@ import torch
 
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
+from megatrain_cli.data.load import source_label
 from megatrain_cli.data.packing import pack_rows
 from megatrain_cli.data.prompts import pad_id
 from megatrain_cli.data.token_cache import cached_tokenized
@@ -35,20 +37,20 @@ STATE_VERSION = 1
 class TrainData:
     """Fixed rows of tokenised examples, served as steps of micro-batches, epoch after epoch."""
 
-    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor, prompt_lens: torch.Tensor,
+    def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor, loss_mask: torch.Tensor,
                  rows: list[list[int]], *, seq_len: int, pad_token_id: int, seed: int, packing: bool,
                  truncated: int = 0, dropped: int = 0):
         self.tokens = tokens  # int32, every kept example's ids back to back
         self.offsets = offsets  # int64 [n + 1]: example i is tokens[offsets[i]:offsets[i + 1]]
-        self.prompt_lens = prompt_lens  # int64 [n]: leading tokens of each example without loss
+        self.loss_mask = loss_mask  # bool, like tokens: True where the token is a label
         self.rows = rows  # example indices per row
         self.seq_len, self.pad_token_id, self.seed, self.packing = seq_len, pad_token_id, seed, packing
-        self.truncated = truncated  # examples cut to seq_len (the end of their response is lost)
-        self.dropped = dropped  # examples whose prompt alone filled seq_len (nothing left to learn)
-        self.num_examples = len(prompt_lens)
+        self.truncated = truncated  # examples cut to seq_len (the end of their last reply is lost)
+        self.dropped = dropped  # examples with no label left within seq_len (nothing to learn)
+        self.num_examples = len(offsets) - 1
         self.num_rows = len(rows)
         self.real_tokens = int(offsets[-1])  # non-pad tokens per epoch
-        self.loss_tokens = self.real_tokens - int(prompt_lens.sum())  # response + eos tokens per epoch
+        self.loss_tokens = int(loss_mask.sum())  # reply + end-of-turn tokens per epoch
         self.epoch = 0
         self.cursor = 0  # rows of this epoch already served
         self._order: tuple[int, torch.Tensor] | None = None
@@ -108,9 +110,9 @@ class TrainData:
         at, n = 0, 0
         for ex in self.rows[row]:
             lo, hi = int(self.offsets[ex]), int(self.offsets[ex + 1])
-            n, p = hi - lo, int(self.prompt_lens[ex])
+            n = hi - lo
             ids[at:at + n] = self.tokens[lo:hi]
-            labels[at + p:at + n] = self.tokens[lo + p:hi]
+            labels[at:at + n] = torch.where(self.loss_mask[lo:hi], self.tokens[lo:hi].long(), IGNORE_INDEX)
             pos[at:at + n] = torch.arange(n)
             at += n
         pos[at:] = torch.arange(n, n + t - at)
@@ -118,12 +120,21 @@ class TrainData:
 
     # ------------------------------------------------------------ resume
     def fingerprint(self) -> str:
-        """A hash of the rows' contents: resuming onto different data would silently change batches."""
+        """A hash of the rows' contents: resuming onto different data would silently change batches.
+        Where every example's labels are one run to its end (single-turn data), the mask is hashed as the
+        length of the part before it, as it was before multi-turn masks: such runs still resume."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             h.update(f"{self.seq_len}:{self.packing}:{self.pad_token_id}:{self.num_rows}".encode())
-            for tensor in (self.tokens, self.offsets, self.prompt_lens):
+            cs = torch.cat([torch.zeros(1, dtype=torch.int64), self.loss_mask.long().cumsum(0)])
+            ends, starts = self.offsets[1:], self.offsets[:-1]
+            counts = cs[ends] - cs[starts]  # labels per example
+            before = ends - starts - counts  # what `prompt_lens` was, when the labels are one run to the end
+            runs_to_end = bool((cs[ends] - cs[starts + before] == counts).all())
+            for tensor in (self.tokens, self.offsets, before):
                 h.update(tensor.contiguous().numpy().tobytes())
+            if not runs_to_end:
+                h.update(self.loss_mask.numpy().tobytes())
             for r in self.rows:
                 h.update(",".join(map(str, r)).encode() + b";")
             self._fingerprint = h.hexdigest()[:16]
@@ -156,36 +167,38 @@ def epoch_seed(seed: int, epoch: int) -> int:
 def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, seq_len: int,
                      seed: int) -> TrainData:
     """Tokenise, truncate to seq_len, and lay out the rows (packed or one example each)."""
+    label = source_label(data_cfg)
     if not examples:
-        raise DataError(f"{data_cfg.source}: no training examples")
+        raise DataError(f"{label}: no training examples")
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
     chunks: list[np.ndarray] = []  # int32 tokens, one array per tokenised batch
+    mask_chunks: list[np.ndarray] = []  # their loss mask
     lengths: list[int] = []
-    prompt_lens: list[int] = []
     truncated = dropped = 0
-    for prompts, responses in cached_tokenized(examples, tokenizer, data_cfg.template, data_cfg.num_proc,
-                                               data_cfg.cache_dir):
-        kept = []
-        for p, r in zip(prompts, responses):
-            if len(p) >= seq_len:
-                dropped += 1
+    for ids_batch, mask_batch in cached_tokenized(examples, tokenizer, data_cfg.template, data_cfg.train_on,
+                                                  data_cfg.num_proc, data_cfg.cache_dir):
+        kept_ids, kept_masks = [], []
+        for ids, mask in zip(ids_batch, mask_batch):
+            if not any(mask[:seq_len]):
+                dropped += 1  # the prompt alone fills seq_len (or the example has no reply to learn)
                 continue
-            if len(p) + len(r) > seq_len:
+            if len(ids) > seq_len:
                 truncated += 1
-                r = r[:seq_len - len(p)]
-            kept += (p, r)
-            lengths.append(len(p) + len(r))
-            prompt_lens.append(len(p))
-        n_tokens = sum(map(len, kept))
-        chunks.append(np.fromiter(itertools.chain.from_iterable(kept), dtype=np.int32, count=n_tokens))
+                ids, mask = ids[:seq_len], mask[:seq_len]
+            kept_ids.append(ids)
+            kept_masks.append(mask)
+            lengths.append(len(ids))
+        n_tokens = sum(map(len, kept_ids))
+        chunks.append(np.fromiter(itertools.chain.from_iterable(kept_ids), dtype=np.int32, count=n_tokens))
+        mask_chunks.append(np.fromiter(itertools.chain.from_iterable(kept_masks), dtype=np.bool_, count=n_tokens))
     if not lengths:
-        raise DataError(f"{data_cfg.source}: every prompt is at least seq_len={seq_len} tokens long, so no "
-                        f"response token is left to train on; raise train.seq_len")
+        raise DataError(f"{label}: no example has a reply token within its first seq_len={seq_len} tokens (the "
+                        f"prompts fill them), so nothing is left to train on; raise train.seq_len")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     tokens = torch.from_numpy(np.concatenate(chunks))
+    loss_mask = torch.from_numpy(np.concatenate(mask_chunks))
     rows = pack_rows(lengths, seq_len) if data_cfg.packing else [[i] for i in range(len(lengths))]
-    return TrainData(tokens, offsets, torch.tensor(prompt_lens, dtype=torch.int64), rows, seq_len=seq_len,
-                     pad_token_id=pad_id(tokenizer), seed=seed, packing=data_cfg.packing, truncated=truncated,
-                     dropped=dropped)
+    return TrainData(tokens, offsets, loss_mask, rows, seq_len=seq_len, pad_token_id=pad_id(tokenizer), seed=seed,
+                     packing=data_cfg.packing, truncated=truncated, dropped=dropped)

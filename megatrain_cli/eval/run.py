@@ -3,7 +3,8 @@
 'test' is the held-out side of the very split the trainer makes (same source, seed and fraction
 through `split_examples`), and prompts go through the same `render_prompt` / `encode_prompt`, so the
 model is asked exactly what it was trained to answer. The model runs resident or streamed from host
-memory (`source.choose_mode`); results.json records which, with generated tokens/s and wall time.
+memory (`source.choose_mode`); results.json records which, with generated tokens/s and wall time, and
+the protocol (protocol.py: prompt, few-shot, answer extraction) that the score depends on.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ from typing import Callable
 import torch
 
 from megatrain_cli.data.errors import DataError
-from megatrain_cli.data.load import load_examples, split_examples
+from megatrain_cli.data.load import load_examples, source_label, split_examples
 from megatrain_cli.data.prompts import default_prefix_ids, encode_prompt, eos_id, pad_id, render_prompt, \
     stop_strings, uses_chat_template
-from megatrain_cli.data.answers import answers_match, extract_answer
+from megatrain_cli.data.turns import end_of_turn_id
+from megatrain_cli.eval import protocol
 from megatrain_cli.eval.generate import generate_greedy
 from megatrain_cli.eval.source import check_host_memory, choose_mode, host_bytes, load_resident, load_streamed, \
     model_eos_ids, num_params, resolve_model
 from megatrain_cli.models.tokenizer import has_tokenizer_files, load_bundled_tokenizer, load_tokenizer_dir
-from megatrain_cli.recipe import DataConfig
+from megatrain_cli.recipe import DataConfig, EvalConfig
 
 SPLITS = ("test", "train", "all")
 RESULTS_FILE = "results.json"
@@ -34,7 +36,7 @@ PREDICTIONS_FILE = "predictions.jsonl"
 def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: int | None = None,
              batch_size: int = 8, max_new_tokens: int = 256, output_dir: str = ".", device: str = "auto",
              mode: str = "auto", data_format: str = "auto", template: str = "auto", test_fraction: float = 0.3,
-             split_seed: int = 1234, data_cfg: DataConfig | None = None,
+             split_seed: int = 1234, data_cfg: DataConfig | None = None, eval_cfg: EvalConfig | None = None,
              log: Callable[[str], None] | None = print) -> dict:
     """Evaluate `model_path` on `data_source`; write results.json and predictions.jsonl; return the results.
 
@@ -42,6 +44,8 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
     `mode` is resident, streamed or auto (see `source.choose_mode`).
     `data_cfg`, when given (the trainer passes its recipe's), replaces data_source / data_format /
     template / test_fraction / split_seed, so fields, max_samples and test_source carry over too.
+    `eval_cfg` gives the protocol (prompt, num_fewshot, fewshot_seed, extract; its other keys are the
+    arguments above); None: the defaults, zero-shot with flexible extraction.
     """
     started = time.perf_counter()
     log = log or (lambda _msg: None)
@@ -51,15 +55,26 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
     for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("limit", limit)):
         if value is not None and value < 1:
             raise ValueError(f"{name}: must be >= 1, got {value}")
+    ecfg = eval_cfg or EvalConfig()
+    protocol.check(ecfg)
+    if ecfg.num_fewshot and split != "test":
+        raise ValueError(f"num_fewshot: the few-shot examples come from the train split, so the eval split must be "
+                         f"test, got {split!r}")
     dev = resolve_device(device)
     cfg = data_cfg or DataConfig(source=data_source, format=data_format, template=template,
                                  test_fraction=test_fraction, split_seed=split_seed)
-    examples = select_examples(cfg, split, limit)
+    everything = load_examples(cfg)
+    examples = select_examples(cfg, split, limit, everything)
+    if ecfg.num_fewshot:
+        examples = protocol.with_fewshot(examples, split_examples(everything, cfg)[0], ecfg.num_fewshot,
+                                         ecfg.fewshot_seed)
+    prompt_template = protocol.template(ecfg, cfg)
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokenizer = load_eval_tokenizer(model_path)
+    chat = uses_chat_template(tokenizer, prompt_template, examples[0].chat)
     prefix = default_prefix_ids(tokenizer)
-    prompts = [render_prompt(tokenizer, ex.prompt, cfg.template, ex.history) for ex in examples]
+    prompts = [render_prompt(tokenizer, ex.prompt, prompt_template, ex.history, ex.chat) for ex in examples]
     prompt_ids = [encode_prompt(tokenizer, p, prefix) for p in prompts]
     max_positions = max(len(p) for p in prompt_ids) + max_new_tokens
 
@@ -72,9 +87,13 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
     model = (load_resident if chosen == "resident" else load_streamed)(source, dev, dtype)
     load_s = time.perf_counter() - t0
 
-    eos_ids = sorted({eos_id(tokenizer), *model_eos_ids(source)})
-    stop = stop_strings(tokenizer, cfg.template)
-    log(f"eval: {len(examples)} {split} examples of {cfg.source} on {dev.type} ({dtype}), batch {batch_size}")
+    # A chat model stops at its template's end of turn, as training taught it, even where eos is another token.
+    eos_ids = sorted({eos_id(tokenizer), *model_eos_ids(source), *([end_of_turn_id(tokenizer)] if chat else [])}
+                     - {None})
+    stop = stop_strings(tokenizer, prompt_template, examples[0].chat)
+    label = source_label(cfg)
+    log(f"eval: {len(examples)} {split} examples of {label} on {dev.type} ({dtype}), batch {batch_size}, "
+        f"{ecfg.num_fewshot}-shot {'chat' if chat else 'plain'}, {ecfg.extract} extraction")
     generations, seconds = generate_greedy(
         model, tokenizer, prompt_ids, eos_ids=eos_ids, pad_id=pad_id(tokenizer), stop=stop,
         max_new_tokens=max_new_tokens, batch_size=batch_size,
@@ -82,26 +101,30 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    correct = unparseable = 0
+    scored = protocol.score([g.text for g in generations], [ex.answer for ex in examples])
+    chosen_scores = scored[ecfg.extract]
+    correct = sum(ok for _, ok in chosen_scores)
+    unparseable = sum(got is None for got, _ in chosen_scores)
     with open(out / PREDICTIONS_FILE, "w", encoding="utf-8") as f:
-        for ex, prompt, gen in zip(examples, prompts, generations):
-            extracted = extract_answer(gen.text)
-            ok = answers_match(extracted, ex.answer)
-            correct += ok
-            unparseable += extracted is None
+        for ex, prompt, gen, (extracted, ok) in zip(examples, prompts, generations, chosen_scores):
             f.write(json.dumps({"prompt": prompt, "output": gen.text, "extracted": extracted, "gold": ex.answer,
                                 "correct": ok}, ensure_ascii=False) + "\n")
     generated = sum(g.new_tokens for g in generations)
     results = {
         "accuracy": correct / len(examples), "correct": correct, "total": len(examples),
+        "scores": {mode: sum(ok for _, ok in pairs) / len(examples) for mode, pairs in scored.items()},
         "unparseable": unparseable, "generated_tokens": generated,
         "tokens_per_s": generated / seconds if seconds > 0 else 0.0, "generation_s": seconds,
-        "model_path": str(model_path), "data_source": cfg.source, "split": split, "limit": limit,
-        "template": "chat" if uses_chat_template(tokenizer, cfg.template) else "plain",
+        "model_path": str(model_path), "data_source": label, "split": split, "limit": limit,
+        "template": "chat" if chat else "plain",
         "test_fraction": cfg.test_fraction, "split_seed": cfg.split_seed, "device": dev.type,
         "dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
         "mode": chosen, "params": params, "load_s": load_s,
         "predictions": str(out / PREDICTIONS_FILE),
+        "protocol": protocol.describe(ecfg, cfg, chat=chat, tokenizer=tokenizer, split=split, limit=limit,
+                                      total=len(examples), source=label, stop=stop, stop_ids=eos_ids,
+                                      max_new_tokens=max_new_tokens, dtype=str(dtype).removeprefix("torch."),
+                                      batch_size=batch_size),
     }
     if chosen == "streamed":
         # Weights copied to the device (0 on CPU, where nothing moves) over the generation time: the
@@ -110,7 +133,8 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
                        streamed_gb_per_s=model.bytes_sent / 1e9 / seconds if seconds > 0 else 0.0)
     results["wall_s"] = time.perf_counter() - started  # everything: data, load, generation, scoring
     (out / RESULTS_FILE).write_text(json.dumps(results, indent=2) + "\n")
-    log(f"eval: accuracy {results['accuracy']:.4f} ({correct}/{len(examples)}), {unparseable} unparseable, "
+    log(f"eval: accuracy {results['accuracy']:.4f} ({correct}/{len(examples)}, {ecfg.extract}; strict "
+        f"{results['scores']['strict']:.4f}, flexible {results['scores']['flexible']:.4f}), {unparseable} unparseable, "
         f"{results['tokens_per_s']:.1f} generated tokens/s {chosen}, {results['wall_s']:.1f} s in all; "
         f"wrote {out / RESULTS_FILE} and {out / PREDICTIONS_FILE}")
     return results
@@ -128,13 +152,13 @@ def select_examples(cfg: DataConfig, split: str, limit: int | None, examples=Non
             raise ValueError(f"limit: must be >= 1, got {limit}")
         examples = examples[:limit]
     if not examples:
-        raise DataError(f"{cfg.source}: the {split} split is empty (test_fraction={cfg.test_fraction})")
+        raise DataError(f"{source_label(cfg)}: the {split} split is empty (test_fraction={cfg.test_fraction})")
     missing = [ex for ex in examples if ex.answer is None]
     if missing:
         gold = cfg.fields.get("gold") if cfg.fields else None
         where = f"field {gold!r} (data.fields.gold)" if gold else \
             "response ('The answer is: X', '#### X' or a number; or name an answer field with data.fields.gold)"
-        raise DataError(f"{cfg.source}: {len(missing)} of {len(examples)} {split} examples have no gold answer "
+        raise DataError(f"{source_label(cfg)}: {len(missing)} of {len(examples)} {split} examples have no gold answer "
                         f"in their {where}; first: {missing[0].prompt[:80]!r}")
     return examples
 

@@ -1,4 +1,12 @@
-"""Where step metrics go besides the screen: metrics.jsonl (always the same keys) and TensorBoard."""
+"""The metrics sinks: where each logged step's record goes besides the screen.
+
+One interface (`MetricsSink`: write a StepMetrics, close) and one record: every sink writes the same
+`StepMetrics.to_json()` dict the dashboard shows, so metrics.jsonl, TensorBoard, W&B and MLflow never
+disagree on a value. metrics.jsonl holds every field (null where not measured); the trackers get the
+numeric fields as scalars named by `tracker_scalars` (`train/loss`, `val/loss`, ...). The optional
+trackers (W&B, MLflow: metrics/trackers.py; TensorBoard here) are refused up front when their package is
+missing (train/preflight.py), so a sink never silently drops what it was asked to log.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,41 @@ from typing import TextIO
 
 from megatrain_cli.metrics.record import StepMetrics
 
-class JsonlLog:
+# Fields that are not a scalar over steps: the step is the x axis, the total never changes.
+NOT_SCALARS = frozenset({"step", "total_steps"})
+# Record fields measured on the held-out split: `val_loss` is logged as `val/loss`, the rest as `train/KEY`.
+VAL_PREFIX = "val_"
+
+
+def tracker_scalars(record: dict) -> dict[str, float]:
+    """The numeric, measured fields of a record as tracker scalars: `val_X` -> `val/X`, any other `train/X`.
+    None (not measured at this step) and booleans are left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key in NOT_SCALARS or value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        name = f"val/{key[len(VAL_PREFIX):]}" if key.startswith(VAL_PREFIX) else f"train/{key}"
+        out[name] = float(value)
+    return out
+
+
+class MetricsSink:
+    """Receives every logged step's record, in step order; `close` flushes and releases the sink."""
+
+    def write(self, m: StepMetrics) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class JsonlLog(MetricsSink):
     """Appends one JSON object per step to a file, flushed at once so a crash loses nothing.
 
     Append, not truncate: a resumed run continues the same file, after keep_steps_up_to has dropped the
@@ -31,12 +73,6 @@ class JsonlLog:
         if self._file is not None:
             self._file.close()
             self._file = None
-
-    def __enter__(self) -> "JsonlLog":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 def keep_steps_up_to(path: str | os.PathLike, step: int) -> int:
@@ -75,33 +111,27 @@ def tensorboard_available() -> bool:
     return True
 
 
-class TensorBoardLog:
-    """TensorBoard scalars for every numeric field, when tensorboard is installed; else a no-op.
-
-    `available` says which. It is optional on purpose: tensorboard is not a dependency.
-    """
+class TensorBoardLog(MetricsSink):
+    """TensorBoard scalars (tracker_scalars) in event files under `log_dir`, flushed every step.
+    Needs the tensorboard package (an optional extra): without it the constructor raises ImportError."""
 
     def __init__(self, log_dir: str | os.PathLike):
         self.log_dir = Path(log_dir)
-        self._writer = None
-        try:
-            import tensorboard  # noqa: F401  (SummaryWriter imports it lazily; fail here instead)
-            from torch.utils.tensorboard import SummaryWriter
-        except Exception:  # ImportError, or a broken install: either way, no TensorBoard
-            self.available = False
-            return
+        if not tensorboard_available():
+            raise ImportError("TensorBoard logging needs the tensorboard package: `pip install tensorboard`")
+        from torch.utils.tensorboard import SummaryWriter
+
         self._writer = SummaryWriter(log_dir=str(self.log_dir))
-        self.available = True
 
     def write(self, m: StepMetrics) -> None:
         if self._writer is None:
-            return
-        for key, value in m.to_json().items():
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(f"train/{key}", value, m.step)
+            raise ValueError(f"{self.log_dir}: log already closed")
+        for name, value in tracker_scalars(m.to_json()).items():
+            self._writer.add_scalar(name, value, m.step)
         self._writer.flush()
 
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+

@@ -42,6 +42,8 @@ class StepMetrics:
     pinned_bytes: int | None = None  # pinned host memory held (staging buffers, gradient slabs)
     skipped_steps: int = 0  # steps skipped so far for a non-finite loss or gradient
     eta_s: float | None = None
+    # Token-mean cross-entropy on the held-out rows, at the steps a validation pass ran (eval.every_n_steps)
+    val_loss: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         """Every field, always the same keys. A non-finite float (the NaN loss of a skipped step)

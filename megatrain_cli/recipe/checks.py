@@ -12,7 +12,7 @@ import difflib
 import math
 import re
 
-from megatrain_cli.recipe.schema import Recipe
+from megatrain_cli.recipe.schema import DataConfig, Recipe
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -51,6 +51,7 @@ def check_semantics(r: Recipe, problems: list[str]) -> None:
     _check_train(r, problems)
     _check_engine(r, problems)
     _check_outputs(r, problems)
+    _check_data(r, problems)
 
 
 def _at_least(problems: list[str], key: str, value, low: int, *, nullable: bool = False) -> None:
@@ -98,16 +99,22 @@ def _check_train(r: Recipe, problems: list[str]) -> None:
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         problems.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
     _at_least(problems, "train.warmup_steps", t.warmup_steps, 0)
-    if t.max_wall_time is not None:
-        try:
-            if parse_duration(t.max_wall_time) <= 0:
-                problems.append(f"train.max_wall_time: must be longer than 0, got {t.max_wall_time!r}")
-        except ValueError as err:
-            problems.append(f"train.max_wall_time: {err}; null: no limit")
+    _positive_amount(problems, "train.max_wall_time", t.max_wall_time, parse_duration, "; null: no limit")
     if not 0.0 <= d.test_fraction < 1.0:
         problems.append(f"data.test_fraction: must be in [0, 1), got {d.test_fraction}")
     _at_least(problems, "data.num_proc", d.num_proc, 1)
     _at_least(problems, "data.max_samples", d.max_samples, 1, nullable=True)
+
+
+def _positive_amount(problems: list[str], key: str, value, parse, hint: str = "") -> None:
+    """A duration or a size written as text ('3h50m', '24GiB'): readable, and more than 0 (None passes)."""
+    if value is None:
+        return
+    try:
+        if parse(value) <= 0:
+            problems.append(f"{key}: must be more than 0, got {value!r}")
+    except ValueError as err:
+        problems.append(f"{key}: {err}{hint}")
 
 
 def _check_engine(r: Recipe, problems: list[str]) -> None:
@@ -121,12 +128,7 @@ def _check_engine(r: Recipe, problems: list[str]) -> None:
     if not (e.keep_activations == "auto" or (isinstance(e.keep_activations, int) and e.keep_activations >= 0)):
         problems.append(f"engine.keep_activations: expected 'auto' or an int >= 0, got {e.keep_activations!r}")
     _at_least(problems, "engine.loss_chunk_tokens", e.loss_chunk_tokens, 1)
-    if e.max_gpu_mem is not None:
-        try:
-            if parse_bytes(e.max_gpu_mem) <= 0:
-                problems.append(f"engine.max_gpu_mem: must be more than 0, got {e.max_gpu_mem!r}")
-        except ValueError as err:
-            problems.append(f"engine.max_gpu_mem: {err}")
+    _positive_amount(problems, "engine.max_gpu_mem", e.max_gpu_mem, parse_bytes)
 
 
 def _check_outputs(r: Recipe, problems: list[str]) -> None:
@@ -137,7 +139,74 @@ def _check_outputs(r: Recipe, problems: list[str]) -> None:
     _at_least(problems, "eval.limit", ev.limit, 1, nullable=True)
     _at_least(problems, "eval.batch_size", ev.batch_size, 1)
     _at_least(problems, "eval.max_new_tokens", ev.max_new_tokens, 1)
+    _at_least(problems, "eval.every_n_steps", ev.every_n_steps, 1, nullable=True)
+    _at_least(problems, "eval.val_batches", ev.val_batches, 1)
     if ev.enabled and not c.export_final:
         problems.append("eval.enabled: the end-of-training eval reads output_dir/final/, which "
                         "checkpoint.export_final=false does not write; set checkpoint.export_final=true or "
                         "eval.enabled=false")
+
+
+REGISTRY_PREFIX = "registry:"  # data.source / data.test_source naming a data.registry entry
+
+
+def parse_datasets(entries: list, problems: list[str]) -> list[tuple[str, float | None]]:
+    """data.datasets as (name, weight or None); entries are {name, weight} mappings or bare names. Each
+    broken rule is appended to `problems` (data/mixing.py raises them; load_recipe lists them)."""
+    parsed = []
+    for i, entry in enumerate(entries):
+        where = f"data.datasets[{i}]"
+        if isinstance(entry, str):
+            entry = {"name": entry}
+        if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"].strip():
+            problems.append(f"{where}: expected a registry name or {{name: NAME, weight: W}}, got {entry!r}")
+            continue
+        unknown = sorted(map(str, set(entry) - {"name", "weight"}))
+        if unknown:
+            problems.append(f"{where}: unknown key(s) {', '.join(unknown)} (known: name, weight)")
+        weight = entry.get("weight")
+        if weight is not None and (isinstance(weight, bool) or not isinstance(weight, (int, float))
+                                   or not math.isfinite(weight) or weight <= 0):
+            problems.append(f"{where}.weight: must be a number > 0 (or left out), got {weight!r}")
+            continue
+        parsed.append((entry["name"], None if weight is None else float(weight)))
+    names = [n for n, _ in parsed]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        problems.append(f"data.datasets: {', '.join(twice)} listed more than once")
+    if len({w is None for _, w in parsed}) > 1:
+        problems.append("data.datasets: give every dataset a weight, or none (then every example of each is used)")
+    return parsed
+
+
+def _check_data(r: Recipe, problems: list[str]) -> None:
+    d = r.data
+    if d.registry is not None and not d.registry.strip():
+        problems.append("data.registry: empty; give the registry file or null")
+    if d.system_prompt is not None and not d.system_prompt.strip():
+        problems.append("data.system_prompt: empty; give the text or null")
+    for key, value in (("data.source", d.source), ("data.test_source", d.test_source)):
+        if value is not None and value.startswith(REGISTRY_PREFIX):
+            if not value[len(REGISTRY_PREFIX):].strip():
+                problems.append(f"{key}: 'registry:' needs a dataset name, e.g. registry:my_chats")
+            elif d.registry is None:
+                problems.append(f"{key}: {value!r} names a registry dataset; set data.registry to the registry file")
+    _at_least(problems, "data.mix_size", d.mix_size, 1, nullable=True)
+    parsed = parse_datasets(d.datasets, problems)
+    if d.datasets:
+        if d.registry is None:
+            problems.append("data.datasets: names registry datasets; set data.registry to the registry file")
+        if d.source != DataConfig().source:
+            problems.append(f"data.datasets: replaces data.source ({d.source!r}); set one of the two")
+        if d.mix_size is not None and parsed and parsed[0][1] is None:
+            problems.append("data.mix_size: needs weights on data.datasets (without them every example is used)")
+    elif d.mix_size is not None:
+        problems.append("data.mix_size: sizes a mixture of data.datasets, which is empty")
+    from_registry = bool(d.datasets) or d.source.startswith(REGISTRY_PREFIX)
+    plain_test = d.test_source is not None and not d.test_source.startswith(REGISTRY_PREFIX)
+    if from_registry and not plain_test:
+        for key, value, default in (("data.format", d.format, "auto"), ("data.fields", d.fields, {})):
+            if value != default:
+                problems.append(f"{key}: does not apply to registry datasets (their entries give format and "
+                                f"columns); remove it")
+    _at_least(problems, "eval.num_fewshot", r.eval.num_fewshot, 0)

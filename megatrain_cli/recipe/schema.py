@@ -40,23 +40,43 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = doc("A dataset: 'builtin:sample_math' (bundled), a local .json/.jsonl/.parquet file, a "
-                      "directory saved by `datasets`, or a Hugging Face dataset name.", "builtin:sample_math")
+                      "directory saved by `datasets`, a Hugging Face dataset name, or 'registry:NAME' (an entry "
+                      "of data.registry).", "builtin:sample_math")
     format: Literal["auto", "metamathqa", "gsm8k", "alpaca", "messages"] = doc(
-        "Record format; 'auto' detects it from the fields.", "auto")
-    fields: dict = doc("Field-name overrides, e.g. {query: question, response: answer}.", factory=dict)
+        "Record format; 'auto' detects it from the fields. 'messages' reads OpenAI (messages: role/content) and "
+        "ShareGPT (conversations: from/value, human/gpt) chats.", "auto")
+    fields: dict = doc("Field-name overrides, e.g. {query: question, response: answer}; `system` names a field "
+                       "holding each record's system prompt.", factory=dict)
     template: Literal["auto", "chat", "plain"] = doc(
-        "Prompt template: the tokenizer's chat template when it has one ('auto'), or the plain one.", "auto")
+        "Prompt template: the tokenizer's chat template when it has one ('auto'), or the plain 'Question: ... "
+        "Answer: ' one. Chat data (format messages) and 'chat' need a tokenizer with a chat template: without "
+        "one the run is refused unless this is 'plain'.", "auto")
+    train_on: Literal["all_assistant", "last_assistant"] = doc(
+        "Which replies of a multi-turn chat carry loss: every assistant turn (with its end-of-turn token, as the "
+        "template renders it), or only the last one (earlier turns are context).", "all_assistant")
+    system_prompt: Optional[str] = doc("A system message given to every example that has none of its own "
+                                       "(training and eval alike); null: none.", None)
+    registry: Optional[str] = doc("A dataset registry file (YAML or JSON, like LLaMA-Factory's dataset_info): "
+                                  "name -> {path or hub, format, columns, split, max_samples}; paths in it are "
+                                  "relative to its folder. Needed by 'registry:NAME' and data.datasets.", None)
+    datasets: list = doc("Registry datasets mixed into one: [{name: a, weight: 3}, {name: b, weight: 1}] (or bare "
+                         "names). With weights, each dataset's share of the examples is its weight's share; without "
+                         "any, every example of each. Replaces data.source.", factory=list)
+    mix_size: Optional[int] = doc("Examples in a weighted mixture; null: the most that repeats no example (the "
+                                  "first dataset to run out decides). Larger: smaller datasets repeat, each "
+                                  "example once per pass.", None)
     split: Optional[str] = doc("Dataset split to read (for hub / saved datasets); None takes 'train'.", None)
     test_fraction: float = doc("Held-out fraction for the seeded random train/test split (paper: 0.3).", 0.3)
-    test_source: Optional[str] = doc("An explicit test set instead of the random split.", None)
-    split_seed: int = doc("Seed of the train/test split.", 1234)
-    max_samples: Optional[int] = doc("Use at most this many records (before splitting).", None)
+    test_source: Optional[str] = doc("An explicit test set instead of the random split (a data.source value, "
+                                     "'registry:NAME' included).", None)
+    split_seed: int = doc("Seed of the train/test split and of a mixture's draw (data.datasets).", 1234)
+    max_samples: Optional[int] = doc("Use at most this many records (before splitting; a mixture's total).", None)
     packing: bool = doc("Pack several examples per row (block-causal attention, positions reset) so no "
                         "FLOPs go to padding.", True)
     num_proc: int = doc("Processes for tokenisation.", 1)
     cache_dir: Union[Literal["auto", "off"], str] = doc(
-        "Cache of tokenised examples (keyed by the data, tokenizer and template): 'auto' (the user's cache "
-        "directory: ~/.cache/megatrain/tokenized), a directory, or off.", "auto")
+        "Cache of tokenised examples (keyed by the data, tokenizer, template and train_on): 'auto' (the user's "
+        "cache directory: ~/.cache/megatrain/tokenized), a directory, or off.", "auto")
 
 
 @dataclass
@@ -146,7 +166,19 @@ class LoggingConfig:
                                                              "lines otherwise.", "auto")
     jsonl: bool = doc("Append every logged step to output_dir/metrics.jsonl.", True)
     tensorboard: bool = doc("Also write TensorBoard scalars to output_dir/tensorboard/ (needs the tensorboard "
-                            "package; a run that asks without it is refused).", False)
+                            "package: `pip install 'megatrain[tensorboard]'`; a run that asks without it is "
+                            "refused).", False)
+    wandb: Literal["off", "offline", "online"] = doc(
+        "Weights & Biases: 'offline' writes run files under output_dir/wandb/ (`wandb sync` uploads them "
+        "later), 'online' logs to the W&B server (after `wandb login`). Needs the wandb package: `pip install "
+        "'megatrain[wandb]'`.", "off")
+    mlflow: bool = doc("Also log to MLflow at logging.mlflow_tracking_uri (needs the mlflow package: `pip "
+                       "install 'megatrain[mlflow]'`).", False)
+    mlflow_tracking_uri: Optional[str] = doc(
+        "MLflow tracking URI: a local folder (a file store), sqlite:///FILE or http(s)://SERVER; null: "
+        "output_dir/mlruns.", None)
+    project: str = doc("The W&B project and the MLflow experiment the run is logged under.", "megatrain")
+    run_name: Optional[str] = doc("The run's name in W&B and MLflow; null: the name of output_dir's folder.", None)
 
 
 @dataclass
@@ -155,6 +187,20 @@ class EvalConfig:
     limit: Optional[int] = doc("Evaluate at most N examples.", 64)
     batch_size: int = doc("Prompts per generation batch.", 8)
     max_new_tokens: int = doc("Generation length limit.", 256)
+    num_fewshot: int = doc("Solved examples put before each question (GSM8K protocol: 5 in lm-evaluation-harness, "
+                           "8 for chain of thought), drawn from the train split, seeded per question.", 0)
+    fewshot_seed: int = doc("Seed of the few-shot draw (lm-evaluation-harness: 1234).", 1234)
+    prompt: Literal["auto", "chat", "plain"] = doc("How questions are put: 'auto' as data.template says; 'chat' the "
+                                                   "tokenizer's chat template (few-shot examples as earlier turns); "
+                                                   "'plain' 'Question: ... Answer: ' text.", "auto")
+    extract: Literal["strict", "flexible"] = doc("Reading the model's answer: 'strict' only after a marker ('The "
+                                                 "answer is', '####', \\boxed{}); 'flexible' also the last number. "
+                                                 "results.json gives both scores.", "flexible")
+    every_n_steps: Optional[int] = doc("Validation loss on the held-out split every N steps and after the last "
+                                       "(forward only, layers streamed; those steps are logged whatever "
+                                       "logging.every_n_steps says); null: off.", None)
+    val_batches: int = doc("Micro-batches of the held-out split each validation pass runs (the same rows every "
+                           "time; fewer when the split has fewer rows).", 8)
 
 
 @dataclass

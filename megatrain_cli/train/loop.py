@@ -101,15 +101,18 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
     from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.data import build_train_data, load_examples, split_examples
-    from megatrain_cli.metrics.logs import JsonlLog, TensorBoardLog, keep_steps_up_to
     from megatrain_cli.metrics.step import step_metrics
     from megatrain_cli.optim.host_adamw import lr_at
+    from megatrain_cli.recipe.load import to_dict
     from megatrain_cli.train import resume, stop
+    from megatrain_cli.train.sinks import open_sinks
+    from megatrain_cli.train.validation import HeldOut
 
     t = r.train
     examples = load_examples(r.data)
-    train_ex, _ = split_examples(examples, r.data)
+    train_ex, test_ex = split_examples(examples, r.data)
     data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
+    held_out = HeldOut.build(r, test_ex, tokenizer, dist)  # None unless eval.every_n_steps is set
     total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
                                                                                               t.grad_accum)))
     total_text = f"train.steps={t.steps}" if t.steps is not None else f"train.epochs={t.epochs}"
@@ -145,19 +148,20 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
         except CheckpointWriteError as err:  # disk full: nothing partial left, the previous one intact
             raise TrainingError(str(err), 1) from None
 
-    logs = []
-    if lead and r.logging.jsonl:
-        keep_steps_up_to(out / "metrics.jsonl", start)  # the steps about to be redone: logged once
-        logs.append(JsonlLog(out / "metrics.jsonl"))
-    if lead and r.logging.tensorboard:
-        logs.append(TensorBoardLog(out / "tensorboard"))
     code = 0
+    logs = []
     try:
+        # metrics.jsonl, TensorBoard, W&B, MLflow: each gets every logged step's record (train/sinks.py).
+        logs = open_sinks(r.logging, out, start=start, config=to_dict(r)) if lead else []
         with stop.watching(), Dashboard(r.logging.dashboard if lead else "off", total_steps=total,
-                                        title=f"megatrain {r.output_dir}") as dash:
+                                        title=f"megatrain {r.output_dir}",
+                                        val_every=held_out.every if held_out else None) as dash:
             dash.log(f"{store.num_params() / 1e6:.1f} M params on {device.type}, {total} steps, "
                      f"{data.num_rows} rows of {t.seq_len} tokens, host state "
                      f"{store.host_bytes() / 2**30:.2f} GiB")
+            if held_out is not None:
+                dash.log(f"validation loss every {held_out.every} steps and after the last, on {held_out.rows} "
+                         f"held-out rows of {t.seq_len} tokens")
             if long_ctx is not None:
                 dash.log(f"{long_ctx.label} path: {long_ctx.offloaded_checkpoints} of {long_ctx.num_checkpoints} "
                          f"checkpoints in host memory ({pinned / 2**30:.2f} GiB pinned), predicted device peak "
@@ -177,10 +181,13 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
                     if t.nan_policy == "stop":
                         raise TrainingError(f"step {step + 1}: loss {res.loss} / gradient norm {res.grad_norm} is "
                                             f"not finite (train.nan_policy=stop); the last checkpoint is intact", 1)
-                if (step + 1) % r.logging.every_n_steps == 0 or step + 1 == total:
+                validate = held_out is not None and held_out.due(step + 1, total)
+                if (step + 1) % r.logging.every_n_steps == 0 or step + 1 == total or validate:
                     m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skipped,
                                      step_time=time.perf_counter() - t0, seq_len=t.seq_len,
                                      eta=(time.perf_counter() - t_run) / (step + 1 - start) * (total - step - 1))
+                    if validate:  # after the step's figures: the pass neither counts in them nor changes them
+                        m.val_loss = held_out.loss(engine)
                     dash.update(m)
                     for log in logs:
                         log.write(m)
@@ -217,7 +224,7 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
 
         run_eval(str(out / "final"), r.data.source, split="test", limit=r.eval.limit,
                  batch_size=r.eval.batch_size, max_new_tokens=r.eval.max_new_tokens, output_dir=str(out / "eval"),
-                 device=device.type, data_cfg=r.data)
+                 device=device.type, data_cfg=r.data, eval_cfg=r.eval)  # the protocol keys: eval/protocol.py
     return code
 
 

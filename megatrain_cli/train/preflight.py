@@ -26,7 +26,7 @@ DATA_SAMPLE = 64  # records read up front when the whole data set is not needed 
 
 def check_inputs(r: Recipe, *, dry_run: bool) -> None:
     """Everything about `r` that can be checked without a plan: model files, paths, data, eval settings.
-    A dry run skips what reads records (the data) or needs optional packages (tensorboard)."""
+    A dry run skips what reads records (the data) or needs optional packages (tensorboard, wandb, mlflow)."""
     from megatrain_cli.data.errors import DataError
     from megatrain_cli.data.sources import check_source
 
@@ -47,12 +47,11 @@ def check_inputs(r: Recipe, *, dry_run: bool) -> None:
     check_output_dir(r.output_dir, "output_dir")
     if dry_run:
         return
-    if r.logging.tensorboard:
-        from megatrain_cli.metrics.logs import tensorboard_available
+    from megatrain_cli.train.sinks import missing_packages
 
-        if not tensorboard_available():
-            raise TrainingError("logging.tensorboard is on but the tensorboard package is not installed: "
-                                "`pip install tensorboard`, or logging.tensorboard=false", 2)
+    missing = missing_packages(r.logging)  # tensorboard, wandb, mlflow: optional extras
+    if missing:
+        raise TrainingError("\n".join(missing), 2)
     check_data(r)
 
 

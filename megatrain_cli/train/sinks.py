@@ -1,0 +1,53 @@
+"""Which metrics sinks a run writes to: the recipe's `logging` section -> open sinks (metrics/logs.py,
+metrics/trackers.py). The lead process alone opens them; each gets every logged step's record."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatrain_cli.metrics import logs, trackers
+from megatrain_cli.metrics.logs import MetricsSink
+
+
+def open_sinks(logging_cfg, out: Path, *, start: int, config: dict | None = None) -> list[MetricsSink]:
+    """The sinks `logging_cfg` asks for, writing under `out`. `start`: the step the run starts at
+    (metrics.jsonl drops its records after it, so redone steps are logged once). `config`: the resolved
+    recipe as a dict, the trackers' run parameters. A tracker that cannot start raises ValueError naming
+    its key, after the sinks already open are closed."""
+    name = logging_cfg.run_name or out.resolve().name
+    sinks: list[MetricsSink] = []
+    try:
+        if logging_cfg.jsonl:
+            logs.keep_steps_up_to(out / "metrics.jsonl", start)
+            sinks.append(logs.JsonlLog(out / "metrics.jsonl"))
+        if logging_cfg.tensorboard:
+            sinks.append(logs.TensorBoardLog(out / "tensorboard"))
+        if logging_cfg.wandb != "off":
+            sinks.append(trackers.WandbLog(out, mode=logging_cfg.wandb, project=logging_cfg.project, name=name,
+                                           config=config))
+        if logging_cfg.mlflow:
+            uri = logging_cfg.mlflow_tracking_uri or str(out.resolve() / "mlruns")
+            sinks.append(trackers.MlflowLog(uri, experiment=logging_cfg.project, name=name, config=config))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks
+
+
+def missing_packages(logging_cfg) -> list[str]:
+    """One message per tracker `logging_cfg` turns on whose package does not import here, naming the key,
+    the pip command and how to turn it off (train/preflight.py refuses the run with them)."""
+    problems = []
+    if logging_cfg.tensorboard and not logs.tensorboard_available():
+        problems.append(_missing("logging.tensorboard is on", "tensorboard", "logging.tensorboard=false"))
+    if logging_cfg.wandb != "off" and not trackers.wandb_available():
+        problems.append(_missing(f"logging.wandb is {logging_cfg.wandb}", "wandb", "logging.wandb=off"))
+    if logging_cfg.mlflow and not trackers.mlflow_available():
+        problems.append(_missing("logging.mlflow is on", "mlflow", "logging.mlflow=false"))
+    return problems
+
+
+def _missing(what: str, package: str, off: str) -> str:
+    return (f"{what} but the {package} package is not installed: `pip install {package}` (or `pip install "
+            f"'megatrain[{package}]'`), or {off}")
