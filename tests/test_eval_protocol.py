@@ -10,7 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from megatrain_cli.cli import app
-from megatrain_cli.data import load_examples, render_prompt, split_examples
+from tests.test_data import sample, tok  # noqa: F401 (the same module-scoped fixtures)
+from megatrain_cli.data import render_prompt, split_examples
 from megatrain_cli.data.answers import extract_answer
 from megatrain_cli.eval import protocol
 from megatrain_cli.eval import run as run_module
@@ -27,14 +28,6 @@ PROTOCOL_KEYS = {"prompt", "prompt_format", "system_prompt", "num_fewshot", "few
                  "stop_strings", "stop_token_ids", "dtype", "data", "split", "limit", "test_fraction", "split_seed"}
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return load_bundled_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def sample():
-    return load_examples(DataConfig())
 
 
 @pytest.mark.parametrize("text, strict, flexible", [
