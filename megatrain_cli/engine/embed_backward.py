@@ -22,11 +22,13 @@ def embed_backward(engine, grads_out, uniq, inv_dev, offsets, tied_flat, sq_norm
     if adapter.input_scale is not None:  # the embedding module's scale (Gemma)
         rows.mul_(embed_scale(adapter, engine.dtype))
     pad = adapter.padding_idx
+    # The unique ids on the device, copied once (a small synchronous copy from pageable memory).
+    uniq_dev = uniq.to(dev) if pad is not None or tied_flat is not None else None
     if pad is not None:  # nn.Embedding(padding_idx=...): that row gets no input-side gradient, as in HF
-        rows.masked_fill_((uniq.to(dev) == pad).unsqueeze(1), 0.0)  # no host sync
+        rows.masked_fill_((uniq_dev == pad).unsqueeze(1), 0.0)  # no host sync
     if tied_flat is not None:
         tied_grad = tied_flat[:adapter.vocab_size * H].view(adapter.vocab_size, H)
-        tied_grad.index_add_(0, uniq.to(dev), rows)
+        tied_grad.index_add_(0, uniq_dev, rows)
         sq = torch.dot(tied_flat, tied_flat)
         sq_norm.add_(sq)
         engine.sink.send("embed", tied_flat, sq)
