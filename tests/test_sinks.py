@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -42,9 +43,21 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
-def wandb_records(run_dir: Path) -> list:
-    """The protobuf records of a W&B offline run file (`run-ID.wandb`): W&B's LevelDB-style log, a 7-byte
-    header then 32 KiB blocks of chunks (crc32, length, type: full / first / middle / last)."""
+def wandb_records(run_dir: Path, timeout_s: float = 30.0) -> list:
+    """The protobuf records of a W&B offline run file (`run-ID.wandb`), once W&B's service process has
+    written the run's exit record (it writes asynchronously; on a loaded machine that lands after finish()
+    returned: seen once in a full CI run)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = _wandb_file_records(run_dir)
+        if any(rec.WhichOneof("record_type") == "exit" for rec in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
+def _wandb_file_records(run_dir: Path) -> list:
+    """W&B's LevelDB-style log: a 7-byte header then 32 KiB blocks of chunks (crc32, length, type: full /
+    first / middle / last)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
     (path,) = run_dir.glob("run-*.wandb")
