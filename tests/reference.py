@@ -79,6 +79,22 @@ def reference_model(store: HostStore, config, dtype=torch.float32, device="cpu")
     return model.to(device=device, dtype=dtype)
 
 
+def saved_bytes(run, exclude) -> int:
+    """Bytes of the storages autograd saves while `run()` computes, each storage once, not counting the
+    tensors in `exclude` (inputs and weights that the caller, not autograd, keeps)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    kept = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in skip:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(kept.values())
+
+
 def param_groups(model, weight_decay: float):
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]

@@ -19,7 +19,7 @@ from megatrain_cli.engine.lean_layers import (best_sdpa_backends, sdpa_backend_c
                                          chunked_mlp, untile_mlp)
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import TileLayout
-from tests.reference import tiny_config
+from tests.reference import saved_bytes, tiny_config
 
 GB = 10**9
 
@@ -259,21 +259,12 @@ def test_plan_counts_what_a_real_layer_saves(arch, chunked, lean):
     x = torch.randn(1, 96, adapter.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(96)[None]
     cos_sin = tuple(t.to(torch.bfloat16) for t in adapter.make_rotary(torch.device("cpu"))(x, pos))
-    not_activations = {t.untyped_storage().data_ptr() for t in [x, flat, *cos_sin]}
-    kept = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in not_activations:
-            kept[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run_bound(template, weights, x, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
+    kept = saved_bytes(lambda: run_bound(template, weights, x, attention_mask=None, position_ids=pos,
+                                         position_embeddings=cos_sin), exclude=[x, flat, *cos_sin])
     planned = layer_saved_bytes(ModelShape.of(adapter), 96, 2, mlp_chunked=chunked, lean_norms=lean)
     # The layer's input and output are the engine's to keep, not autograd's.
     planned = sum(planned.values()) - planned["layer input (the checkpoint, now a leaf)"] - planned["layer output"]
-    assert sum(kept.values()) == pytest.approx(planned, rel=0.01)
+    assert kept == pytest.approx(planned, rel=0.01)
 
 
 # ---------------------------------------------------------------------------------------------- offloader

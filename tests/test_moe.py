@@ -23,7 +23,7 @@ from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from tests.test_families import assert_parity
-from tests.reference import random_batches, reference_model, reference_train, tiny_config
+from tests.reference import random_batches, reference_model, reference_train, saved_bytes, tiny_config
 
 STEPS, ACCUM, SEQ = 3, 2, 16
 MOE = ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"]
@@ -226,25 +226,18 @@ def test_plan_counts_what_a_real_moe_layer_saves(family):
     x = torch.randn(1, 96, adapter.hidden_size, dtype=torch.bfloat16, requires_grad=True)
     pos = torch.arange(96)[None]
     cos_sin = tuple(t.to(torch.bfloat16) for t in adapter.make_rotary(torch.device("cpu"))(x, pos))
-    skip = {t.untyped_storage().data_ptr() for t in [x, flat, *cos_sin]}
-    kept = {}
-
-    def pack(t):
-        if t.untyped_storage().data_ptr() not in skip:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
     shape = ModelShape.of(adapter)
     planned = layer_saved_bytes(shape, 96, 2, mlp_chunked=False, lean_norms=False)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        if family == "gpt_oss":
-            run_bound(template.mlp, {k[4:]: v for k, v in weights.items() if k.startswith("mlp.")}, x)
-            planned = planned["MLP intermediates (routed experts + router)"]
-        else:
-            run_bound(template, weights, x, attention_mask=None, position_ids=pos, position_embeddings=cos_sin)
-            planned = (sum(planned.values()) - planned["layer input (the checkpoint, now a leaf)"]
-                       - planned["layer output"])
-    measured = sum(kept.values()) + 96 * 2 * shape.experts  # + the router logits the aux loss keeps
+    if family == "gpt_oss":
+        mlp_weights = {k[4:]: v for k, v in weights.items() if k.startswith("mlp.")}
+        kept = saved_bytes(lambda: run_bound(template.mlp, mlp_weights, x), exclude=[x, flat, *cos_sin])
+        planned = planned["MLP intermediates (routed experts + router)"]
+    else:
+        kept = saved_bytes(lambda: run_bound(template, weights, x, attention_mask=None, position_ids=pos,
+                                             position_embeddings=cos_sin), exclude=[x, flat, *cos_sin])
+        planned = (sum(planned.values()) - planned["layer input (the checkpoint, now a leaf)"]
+                   - planned["layer output"])
+    measured = kept + 96 * 2 * shape.experts  # + the router logits the aux loss keeps
     assert measured == pytest.approx(planned, rel=0.03)
 
 
