@@ -5,11 +5,17 @@ Same files as transformers' `save_pretrained`: `model.safetensors` when one shar
 a tensor larger than the limit gets a shard of its own), plus `config.json` with `dtype` set and
 `generation_config.json`. A tied lm_head is not written (it is not in the store; HF re-ties it).
 
-Tensor names are the model's own parameter names (the store's HF names), whatever names the loaded
-checkpoint used: those are what `from_pretrained` of the installed transformers reads with no conversion
-(its conversion rules leave them unchanged; tests/test_loader.py checks it per family). Where
-`save_pretrained` would write an older layout back (Mixtral's per-expert tensors), we keep the fused one,
-which from_pretrained reads as well; converting back would cost a copy per merged group for nothing.
+Tensor names and shapes are the source checkpoint's (models/convert.py SavedLayout): transformers' own
+reverse conversion (`revert_weight_conversion`, as save_pretrained after from_pretrained) of the rules the
+source's keys went through at load, so a Qwen3-MoE / Qwen2-MoE / Mixtral checkpoint with one 2-D tensor
+per expert is written back that way (Mixtral under `block_sparse_moe.experts.N.w1`), one with
+transformers 5's fused 3-D experts stays fused. A model with no source checkpoint (a preset, a test) gets
+what save_pretrained writes for a model made from its config (per-expert tensors for those families).
+gpt-oss from MXFP4 is written dequantised (bf16 values, HF's unquantised gpt-oss names) and its
+config.json has no quantization_config, so from_pretrained loads it as a plain model.
+The reverse conversion runs one tile (one layer) at a time: a tile's tensors are views of its masters,
+split per expert as views, except where transformers' op copies (un-fusing gate_up copies that tensor
+once, in the master dtype); pieces are dropped as they are written.
 
 `generation_config.json` is the source model's own, copied byte for byte (`source_dir`): an instruct
 model's extra end-of-turn ids and sampling defaults live there and nowhere else (eval reads its stop ids
@@ -25,8 +31,11 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +44,8 @@ from megatrain_cli.checkpoint.format import (CheckpointError, fsync_dir, publish
                                              tensor_bytes, write_all, write_file_durably)
 from megatrain_cli.checkpoint.layout import MANIFEST, latest_checkpoint
 from megatrain_cli.checkpoint.load import load_tiles
-from megatrain_cli.store.tiles import HostStore, Slot
+from megatrain_cli.models.convert import LAYOUT_KEY, SavedLayout
+from megatrain_cli.store.tiles import HostStore
 
 DTYPE_CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 CAST_CHUNK_ELEMENTS = 16 << 20  # 64 MiB of fp32 read, cast and written at a time
@@ -43,12 +53,57 @@ WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
 
-def _plan_shards(items: list[tuple[str, str, Slot]], itemsize: int,
-                 max_shard_bytes: int) -> list[list[tuple[str, str, Slot]]]:
+@dataclass(frozen=True)
+class _Out:
+    """One tensor of the export: its name and shape there, and the tile its values come from."""
+
+    name: str
+    tile: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _planned_tensors(store: HostStore, layout: SavedLayout) -> list[_Out]:
+    """Every tensor the export writes, tile by tile in store order, before any is read: the reverse
+    conversion run on meta tensors (names and shapes only)."""
+    out: list[_Out] = []
+    for tname, tile_layout in store.layouts.items():
+        meta = {store.adapter.hf_name(tname, slot.name): torch.empty(slot.shape, device="meta")
+                for slot in tile_layout.slots}
+        out += [_Out(name, tname, tuple(t.shape)) for name, t in layout.revert(meta).items()]
+    twice = sorted(n for n, k in Counter(o.name for o in out).items() if k > 1)
+    if twice:
+        raise CheckpointError(f"export would write these tensor names twice: {twice[:4]}")
+    return out
+
+
+class _TileTensors:
+    """The export's tensors of one tile at a time: the tile's master views reverted to the source layout
+    when the first of its tensors is asked for; the previous tile's pieces are dropped then."""
+
+    def __init__(self, store: HostStore, layout: SavedLayout):
+        self.store, self.layout, self.tile, self.tensors = store, layout, None, {}
+
+    def take(self, item: _Out) -> torch.Tensor:
+        if item.tile != self.tile:
+            self.tensors = {}  # free the previous tile's pieces before making the next
+            store, tile = self.store, item.tile
+            views = {store.adapter.hf_name(tile, s.name): store.master_view(tile, s) for s in store.layouts[tile].slots}
+            self.tensors, self.tile = self.layout.revert(views), item.tile
+        tensor = self.tensors.pop(item.name)  # dropped once written
+        if tuple(tensor.shape) != item.shape:
+            raise CheckpointError(f"{item.name}: reverted to shape {tuple(tensor.shape)}, planned {item.shape}")
+        return tensor
+
+
+def _plan_shards(items: list[_Out], itemsize: int, max_shard_bytes: int) -> list[list[_Out]]:
     """Greedy split in order, as huggingface_hub's split_torch_state_dict_into_shards does."""
     shards, current, current_bytes = [], [], 0
     for item in items:
-        size = item[2].numel * itemsize
+        size = item.numel * itemsize
         if size > max_shard_bytes:
             shards.append([item])
             continue
@@ -62,20 +117,20 @@ def _plan_shards(items: list[tuple[str, str, Slot]], itemsize: int,
     return shards
 
 
-def _write_shard(store: HostStore, items: list[tuple[str, str, Slot]], dtype: torch.dtype,
-                 path: Path) -> None:
+def _write_shard(source: _TileTensors, items: list[_Out], dtype: torch.dtype, path: Path) -> None:
     itemsize = torch.empty((), dtype=dtype).element_size()
     entries, offset = [], 0
-    for hf_name, _, slot in items:
-        entries.append((hf_name, DTYPE_CODES[dtype], slot.shape, offset, offset + slot.numel * itemsize))
-        offset += slot.numel * itemsize
+    for item in items:
+        entries.append((item.name, DTYPE_CODES[dtype], item.shape, offset, offset + item.numel * itemsize))
+        offset += item.numel * itemsize
     with open(path, "wb", buffering=0) as f:
         write_all(f, safetensors_header(entries, {"format": "pt"}))
-        for _, tile_name, slot in items:
-            flat = store.master_view(tile_name, slot).reshape(-1)  # a view: no copy
-            for start in range(0, slot.numel, CAST_CHUNK_ELEMENTS):
+        for item in items:
+            flat = source.take(item).contiguous().reshape(-1)  # a master view or one expert's piece: no copy
+            for start in range(0, item.numel, CAST_CHUNK_ELEMENTS):
                 part = flat[start:start + CAST_CHUNK_ELEMENTS]
-                write_all(f, tensor_bytes(part if dtype == torch.float32 else part.to(dtype)))
+                write_all(f, tensor_bytes(part if part.dtype == dtype else part.to(dtype)))
+            del flat
         os.fsync(f.fileno())
 
 
@@ -120,23 +175,29 @@ def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes
     tmp.mkdir()
 
     itemsize = torch.empty((), dtype=dtype).element_size()
-    items = list(store.hf_items())
+    layout = SavedLayout(store.adapter.config)
+    items = _planned_tensors(store, layout)
     shards = _plan_shards(items, itemsize, max_shard_bytes)
+    source = _TileTensors(store, layout)
     if len(shards) == 1:
-        _write_shard(store, shards[0], dtype, tmp / WEIGHTS_NAME)
+        _write_shard(source, shards[0], dtype, tmp / WEIGHTS_NAME)
     else:
         weight_map = {}
         for i, shard in enumerate(shards):
             name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            _write_shard(store, shard, dtype, tmp / name)
-            weight_map.update({hf_name: name for hf_name, _, _ in shard})
-        index = {"metadata": {"total_parameters": store.num_params(),
-                              "total_size": store.num_params() * itemsize},
-                 "weight_map": weight_map}
+            _write_shard(source, shard, dtype, tmp / name)
+            weight_map.update({item.name: name for item in shard})
+        total = sum(item.numel for item in items)
+        index = {"metadata": {"total_parameters": total, "total_size": total * itemsize}, "weight_map": weight_map}
         write_file_durably(tmp / INDEX_NAME, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
+    del source
 
     config = copy.deepcopy(store.adapter.config)  # the store's config must keep its own dtype
     config.dtype = dtype
+    # The weights are plain (an MXFP4 source was dequantised at load) and in the layout just written.
+    for attr in ("quantization_config", LAYOUT_KEY):
+        if hasattr(config, attr):
+            delattr(config, attr)
     config.architectures = [store.adapter.architecture]
     config.save_pretrained(str(tmp))
     _write_generation_config(config, tmp, source_dir)

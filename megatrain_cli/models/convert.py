@@ -13,11 +13,18 @@ What it costs: a meta model (a second or so for a 70B config), a read of the che
 and at most ONE GROUP of tensors in memory at a time (a renamed tensor alone; for a merge, the tensors
 of one target parameter, e.g. one layer's experts of one projection) - never a second copy of the model.
 Works with transformers 5.x (the same calls exist from 5.0; checked against 5.17 and 5.24).
+
+Export goes the other way (`SavedLayout`): the rules a checkpoint's keys went through at load are recorded on
+the config (`LAYOUT_KEY`, a few pattern strings: it travels in every checkpoint's config.json), and export
+reverts exactly those with transformers' own `revert_weight_conversion`, the function save_pretrained uses,
+so the tensors go back under the source's names and shapes (Mixtral's per-expert `block_sparse_moe` tensors).
+A model that had no checkpoint gets what save_pretrained writes for a model made from its config.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -28,6 +35,28 @@ from megatrain_cli.models import families
 
 class ConversionError(ValueError):
     pass
+
+
+# The config attribute that records which of transformers' rules the loaded checkpoint's keys went through.
+LAYOUT_KEY = "megatrain_checkpoint_layout"
+
+
+def _rule_id(transform: Any) -> list:
+    """A rule as it is written in transformers' mapping (its patterns before compilation, its scope): the
+    same for the same config in every transformers 5 version that has the rule; JSON, for config.json."""
+    return [type(transform).__name__, list(transform._original_source_patterns),
+            list(transform._original_target_patterns), getattr(transform, "scope_prefix", None)]
+
+
+def _same(a: Any) -> str:
+    return json.dumps(a)  # a recorded rule compared as JSON text (config.json turns tuples into lists)
+
+
+def _meta_model(config: Any):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # the config is copied: from_config may set attributes on it
+        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
 
 
 @dataclass
@@ -64,12 +93,10 @@ class CheckpointRules:
     """transformers' checkpoint conversion rules for one config, applied one tensor group at a time."""
 
     def __init__(self, config: Any):
-        from transformers import AutoModelForCausalLM
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-        with torch.device("meta"):  # the config is copied: from_config may set attributes on it
-            self.model = AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        self.model = _meta_model(config)
         # The state dict of a meta model holds meta tensors: names and shapes only.
         self.meta_state = self.model.state_dict()
         parameters = {n for n, _ in self.model.named_parameters()}
@@ -77,20 +104,33 @@ class CheckpointRules:
         # Second names of tied parameters (a tied lm_head): a checkpoint may carry a copy; HF re-ties it.
         self.aliases = set(self.meta_state) - parameters - buffers
         # A checkpoint stored quantized (gpt-oss's MXFP4 experts) is dequantized by transformers' own rules.
-        transforms = get_model_conversion_mapping(self.model, hf_quantizer=families.checkpoint_quantizer(config))
-        self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.transforms = get_model_conversion_mapping(self.model, hf_quantizer=families.checkpoint_quantizer(config))
+        self.renamings = [t for t in self.transforms if isinstance(t, WeightRenaming)]
+        self.converters = [t for t in self.transforms if isinstance(t, WeightConverter)]
         self._by_pattern = {p: c for c in self.converters for p in c.source_patterns}
 
     def _rename(self, key: str) -> tuple[str, str | None]:
         from transformers.core_model_loading import rename_source_key
 
         prefix = self.model.base_model_prefix
+        used = [t._was_used for t in self.transforms]  # transformers marks a rule used when it renames a key
         renamed, pattern = rename_source_key(key, self.renamings, self.converters, prefix, self.meta_state)
         if renamed not in self.meta_state and key in self.meta_state:
-            # as from_pretrained: a key that is already a parameter name keeps it (only the prefix may change)
+            # as from_pretrained: a key that is already a parameter name keeps it (only the prefix may change),
+            # and the rules that would have renamed it were not used
+            for t, flag in zip(self.transforms, used):
+                t._was_used = flag
             renamed, pattern = rename_source_key(key, [], [], prefix, self.meta_state)
         return renamed, pattern
+
+    def used_layout(self) -> list[list]:
+        """The model's own rules the planned keys went through (after `plan`), in transformers' order: what
+        from_pretrained keeps as `model._weight_conversions` for save_pretrained to revert. The quantizer's
+        dequantisation is not among them (export writes the plain tensors)."""
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        own = {_same(_rule_id(t)) for t in get_model_conversion_mapping(self.model)}
+        return [_rule_id(t) for t in self.transforms if t.was_used() and _same(_rule_id(t)) in own]
 
     def plan(self, keys: Iterable[str]) -> KeyPlan:
         """Which checkpoint keys make which parameters; reads no tensor. Keys are taken in transformers'
@@ -133,3 +173,42 @@ class CheckpointRules:
                                   f"{conv.target_patterns}; operations {ops}) cannot convert "
                                   f"{group.describe()} one group at a time: {type(err).__name__}: {err}") from err
         return {name: (t[0] if isinstance(t, list) else t) for name, t in out.items()}
+
+
+class SavedLayout:
+    """The names and shapes export writes: transformers' own reverse conversion (`revert_weight_conversion`,
+    what save_pretrained calls) of the rules recorded at load under LAYOUT_KEY, as from_pretrained keeps
+    them on the model; with nothing recorded (a model made from its config), the rules save_pretrained
+    reverts for a model that did not come from from_pretrained (its family's mapping, no legacy renames).
+
+    `revert` takes some of the model's tensors at a time (one tile: an MoE layer's fused experts are in
+    one tile), which suits every rule that works within one layer, as all the MoE rules do."""
+
+    def __init__(self, config: Any):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        self.model = _meta_model(config)
+        recorded = getattr(config, LAYOUT_KEY, None)
+        self.identity = recorded == []  # the checkpoint had the model's own names: nothing to revert
+        if recorded is None or self.identity:
+            return  # None: transformers finds the family's rules itself, as in save_pretrained
+        rules = {_same(_rule_id(t)): t for t in get_model_conversion_mapping(self.model)}
+        lost = [r for r in recorded if _same(r) not in rules]
+        if lost:
+            raise ConversionError(f"the checkpoint was loaded through transformers rules this transformers does "
+                                  f"not have ({lost}); export cannot write its layout back")
+        self.model._weight_conversions = [rules[_same(r)] for r in recorded]
+
+    def revert(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint tensors (name -> tensor) that `tensors` (parameter name -> tensor) come from. Views
+        where transformers' reverse operations allow them (a rename, a split into experts); a reverse op
+        that chunks a fused tensor copies it once (Chunk makes its pieces contiguous)."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        if self.identity:
+            return dict(tensors)
+        try:
+            return revert_weight_conversion(self.model, tensors)
+        except Exception as err:  # noqa: BLE001 - any failure of transformers' reverse operations
+            raise ConversionError(f"transformers cannot revert its conversion of {sorted(tensors)[:3]} ...: "
+                                  f"{type(err).__name__}: {err}") from err

@@ -7,6 +7,7 @@ transformers' conversion rules merge into one parameter, models/convert.py) is r
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -59,7 +60,7 @@ def load_weights(store: HostStore, path: str | Path) -> None:
     """
     from safetensors import safe_open
 
-    from megatrain_cli.models.convert import CheckpointRules, ConversionError
+    from megatrain_cli.models.convert import LAYOUT_KEY, CheckpointRules, ConversionError
 
     path = Path(path)
     targets = {hf: (tname, slot) for hf, tname, slot in store.hf_items()}
@@ -103,6 +104,12 @@ def load_weights(store: HostStore, path: str | Path) -> None:
     missing = sorted(set(targets) - seen)
     if missing or unexpected:
         raise _mismatch(path, store, missing, unexpected)
+    # Export writes the tensors back in this checkpoint's layout (checkpoint/export.py): the rules its keys
+    # went through are recorded on the store's config, which every checkpoint saves (a few pattern strings).
+    # A shallow copy: the caller's config object (perhaps shared with another store) is left as it was.
+    config = copy.copy(store.adapter.config)
+    setattr(config, LAYOUT_KEY, rules.used_layout())
+    store.adapter.config = config
 
 
 def _mismatch(path: Path, store, missing: list[str], unexpected: list[str]) -> ModelLoadError:
