@@ -61,7 +61,7 @@ def run_timed_steps(engine: Engine, batches: Callable[[int], list[MicroBatch]], 
         for s in range(warmup + steps):
             mbs = batches(s)
             if s == warmup:
-                engine.synchronize()  # the warm-up's host updates are not the timed steps' work
+                engine.synchronize(masters=False)  # the warm-up's host updates are not the timed steps' work
                 if cuda:
                     torch.cuda.synchronize(dev)
                 t_timed = time.perf_counter()
@@ -78,7 +78,7 @@ def run_timed_steps(engine: Engine, batches: Callable[[int], list[MicroBatch]], 
                     out.stall_s += engine.streamer.stall_seconds()
             if on_step is not None:
                 on_step(s, res, took)
-        engine.synchronize()  # the last step's updates count too
+        engine.synchronize(masters=False)  # the last step's updates count too (not a checkpoint's copy home)
         if cuda:
             torch.cuda.synchronize(dev)
     except torch.cuda.OutOfMemoryError as err:

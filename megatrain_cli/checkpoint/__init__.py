@@ -8,12 +8,12 @@
 """
 
 from megatrain_cli.checkpoint.export import export_checkpoint, export_hf, export_sharded
-from megatrain_cli.checkpoint.format import CheckpointError, CheckpointWriteError
+from megatrain_cli.checkpoint.format import CheckpointError, CheckpointSettingError, CheckpointWriteError
 from megatrain_cli.checkpoint.layout import checkpoints_newest_first, latest_checkpoint
 from megatrain_cli.checkpoint.load import checkpoint_step, load_checkpoint, load_tiles
 from megatrain_cli.checkpoint.sharded import save_sharded_checkpoint
 from megatrain_cli.checkpoint.whole import save_checkpoint
 
-__all__ = ["CheckpointError", "CheckpointWriteError", "checkpoint_step", "checkpoints_newest_first",
+__all__ = ["CheckpointError", "CheckpointSettingError", "CheckpointWriteError", "checkpoint_step", "checkpoints_newest_first",
            "export_checkpoint", "export_hf", "export_sharded", "latest_checkpoint", "load_checkpoint", "load_tiles",
            "save_checkpoint", "save_sharded_checkpoint"]

@@ -31,6 +31,11 @@ class CheckpointError(ValueError):
     pass
 
 
+class CheckpointSettingError(CheckpointError):
+    """A sound checkpoint this run must not resume: it was written with another train.master_weights. Not a
+    damaged one: `checkpoint.resume: auto` refuses it instead of passing over it."""
+
+
 class CheckpointWriteError(CheckpointError):
     """A checkpoint (or export) could not be written: not enough space, or an OS error while writing. Its
     temp dir is gone and the earlier checkpoints are intact; the trainer exits 1 with this message."""

@@ -14,7 +14,10 @@ Layout of one checkpoint (every file listed in manifest.json with its size and C
 (a checkpoint of N ranks puts its tile files under tiles/rank{r}/: sharded.py.)
 
 A tile file is standard safetensors holding `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`
-for every parameter of the tile, all fp32. The grad section is not saved (it is transient within a
+for every parameter of the tile: the moments fp32, the masters in the store's master dtype (fp32, or
+bf16 with train.master_weights: bf16; the manifest's "master_weights" says which, absent = fp32). A
+resume with the other setting is refused (load.py); a read of the masters alone (export) converts them.
+The grad section is not saved (it is transient within a
 step). The bytes of each section are written straight from the tile's views, so saving costs no
 copy of the model in RAM; loading reads straight into the views the same way.
 
@@ -35,7 +38,9 @@ import zlib
 from pathlib import Path
 from typing import Any, Callable
 
-from megatrain_cli.checkpoint.format import (CheckpointError, fsync_dir, publish_dir, read_into,
+import torch
+
+from megatrain_cli.checkpoint.format import (CheckpointError, CheckpointSettingError, fsync_dir, publish_dir, read_into,
                                              read_safetensors_header, safetensors_header, seal_file,
                                              seal_tree, tensor_bytes, write_all, write_file_durably)
 from megatrain_cli.store.tiles import HostStore, Tile
@@ -58,20 +63,63 @@ def event(kind: str, detail: str = "") -> None:
 
 
 # ---------------------------------------------------------------- tile files
-def _tile_entries(tile: Tile) -> list[tuple[str, str, tuple[int, ...], int, int]]:
-    section_bytes = tile.numel * 4
-    if not tile.layout.slots:  # one rank's shard of a tile (store/sharded.py): one flat tensor per section
-        return [(f"{section}/shard", "F32", (tile.numel,), k * section_bytes, (k + 1) * section_bytes)
-                for k, section in enumerate(SECTIONS)]
-    return [(f"{section}/{slot.name}", "F32", slot.shape, k * section_bytes + slot.offset * 4,
-             k * section_bytes + (slot.offset + slot.numel) * 4)
-            for k, section in enumerate(SECTIONS) for slot in tile.layout.slots]
+MASTER_WEIGHTS = {torch.float32: "fp32", torch.bfloat16: "bf16"}  # the manifest's word for each master dtype
+_TAGS = {torch.float32: "F32", torch.bfloat16: "BF16"}
+
+
+def manifest_master_dtype(manifest: dict[str, Any]) -> torch.dtype:
+    """The master dtype a checkpoint's tile files hold (checkpoints from before the setting: fp32)."""
+    word = manifest.get("master_weights", "fp32")
+    found = [d for d, w in MASTER_WEIGHTS.items() if w == word]
+    if not found:
+        raise CheckpointError(f"unknown master_weights {word!r} in the manifest")
+    return found[0]
+
+
+def check_master_weights(store, manifest: dict[str, Any], path: Path) -> None:
+    """Refuse to resume (read moments into) a store whose master dtype is not the checkpoint's."""
+    have, want = MASTER_WEIGHTS[manifest_master_dtype(manifest)], MASTER_WEIGHTS[store.master_dtype]
+    if have != want:
+        raise CheckpointSettingError(
+            f"{path} was written with train.master_weights={have}, this run has train.master_weights={want}: "
+            f"resuming would {'round its fp32 masters' if want == 'bf16' else 'go on from masters rounded'} to bf16. "
+            f"Resume with train.master_weights={have}, or export it and start a new run from the export")
+
+
+def section_dtypes(tile: Tile, master_dtype: torch.dtype | None = None) -> list[tuple[str, torch.dtype]]:
+    """(section, dtype in the file) in file order; the masters' dtype is the file's (default: the tile's)."""
+    master = tile.master.dtype if master_dtype is None else master_dtype
+    return [(s, master if s == "master" else torch.float32) for s in SECTIONS]
+
+
+def section_start(numel: int, section: str, master_dtype: torch.dtype) -> int:
+    """Byte offset of `section` in the data of a tile file holding `numel` elements per section."""
+    k = SECTIONS.index(section)
+    return 0 if k == 0 else numel * (master_dtype.itemsize + 4 * (k - 1))
+
+
+def _tile_entries(tile: Tile, master_dtype: torch.dtype | None = None
+                  ) -> list[tuple[str, str, tuple[int, ...], int, int]]:
+    entries, start = [], 0
+    for section, dtype in section_dtypes(tile, master_dtype):
+        w, tag = dtype.itemsize, _TAGS[dtype]
+        if not tile.layout.slots:  # one rank's shard of a tile (store/sharded.py): one flat tensor per section
+            entries.append((f"{section}/shard", tag, (tile.numel,), start, start + tile.numel * w))
+        else:
+            entries += [(f"{section}/{slot.name}", tag, slot.shape, start + slot.offset * w,
+                         start + (slot.offset + slot.numel) * w) for slot in tile.layout.slots]
+        start += tile.numel * w
+    return entries
+
+
+def _data_bytes(tile: Tile) -> int:
+    return sum(tile.numel * dtype.itemsize for _, dtype in section_dtypes(tile))
 
 
 def tile_file_bytes(tile: Tile) -> int:
-    """The size write_tile gives the tile's file (header + three fp32 sections)."""
+    """The size write_tile gives the tile's file (header + the masters + two fp32 moments)."""
     return len(safetensors_header(_tile_entries(tile), {"format": FORMAT, "tile": tile.name,
-                                                         "step": str(tile.step)})) + 3 * tile.numel * 4
+                                                         "step": str(tile.step)})) + _data_bytes(tile)
 
 
 def write_tile(tile: Tile, path: Path) -> dict[str, Any]:
@@ -85,18 +133,22 @@ def write_tile(tile: Tile, path: Path) -> dict[str, Any]:
         for section in SECTIONS:  # straight from the views: no copy
             crcs[section] = write_all(f, tensor_bytes(getattr(tile, section)))
         os.fsync(f.fileno())  # costs a disk flush per tile; needed before the manifest may claim it
-    return {"bytes": len(header) + 3 * tile.numel * 4, "step": tile.step, "crc32": crcs}
+    return {"bytes": len(header) + _data_bytes(tile), "step": tile.step, "crc32": crcs}
 
 
-def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str, ...]) -> None:
+def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str, ...],
+              master_dtype: torch.dtype | None = None) -> None:
     """Read the chosen sections straight into the tile's views, checking header and checksums (a
-    section not chosen is skipped by a seek, not read)."""
+    section not chosen is skipped by a seek, not read). `master_dtype`: the file's (default: the tile's);
+    masters of another dtype are read through a temporary copy and converted (load.py allows it only
+    when no moment is read: an export)."""
     name = path.name
+    file_master = tile.master.dtype if master_dtype is None else master_dtype
     with open(path, "rb", buffering=0) as f:
         header, raw = read_safetensors_header(f, name)
         if zlib.crc32(raw) != entry["crc32"]["header"]:
             raise CheckpointError(f"{name}: header checksum mismatch (file corrupted)")
-        expected = json.loads(safetensors_header(_tile_entries(tile), {})[8:])
+        expected = json.loads(safetensors_header(_tile_entries(tile, file_master), {})[8:])
         expected.pop("__metadata__")
         header.pop("__metadata__", None)
         if header != expected:
@@ -107,11 +159,15 @@ def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str
                                   f"checkpoint?): differing tensors {diff}: checkpoint "
                                   f"{[have.get(k) for k in diff]}, model {[want.get(k) for k in diff]}")
         data_start = len(raw)
-        for k, section in enumerate(SECTIONS):
+        for section, dtype in section_dtypes(tile, file_master):
             if section not in sections:
                 continue
-            f.seek(data_start + k * tile.numel * 4)
-            crc = read_into(f, tensor_bytes(getattr(tile, section)), name)
+            f.seek(data_start + section_start(tile.numel, section, file_master))
+            dst = getattr(tile, section)
+            landing = dst if dst.dtype == dtype else torch.empty(tile.numel, dtype=dtype)
+            crc = read_into(f, tensor_bytes(landing), name)
+            if landing is not dst:
+                dst.copy_(landing)
             if crc != entry["crc32"][section]:
                 raise CheckpointError(f"{name}: checksum mismatch in section {section} (file corrupted); "
                                       "the store is now partly overwritten and must not be trained on")
@@ -119,6 +175,11 @@ def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str
 
 # ---------------------------------------------------------------- the rest of a checkpoint, and its publication
 SIDE_FILES_BYTES = 32 << 20  # room asked for trainer_state, config and tokenizer (a large tokenizer.json: ~10 MiB)
+
+
+def master_weights(store: HostStore) -> str:
+    """The manifest's "master_weights": the dtype of the masters in the tile files."""
+    return MASTER_WEIGHTS[store.master_dtype]
 
 
 def model_summary(store: HostStore) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from megatrain_cli.checkpoint.format import CheckpointError
-from megatrain_cli.checkpoint.layout import SECTIONS, TRAINER_STATE, read_manifest
+from megatrain_cli.checkpoint.layout import SECTIONS, TRAINER_STATE, check_master_weights, read_manifest
 from megatrain_cli.checkpoint.sharded import load_rank, load_resharded
 from megatrain_cli.checkpoint.whole import load_whole
 from megatrain_cli.store.tiles import HostStore
@@ -23,9 +23,13 @@ from megatrain_cli.store.tiles import HostStore
 
 def load_tiles(store: HostStore, path: str | Path, sections: tuple[str, ...] = SECTIONS) -> dict[str, Any]:
     """Validate the checkpoint and read the chosen sections into a whole store, tile by tile (no
-    temporary copy: bytes land directly in the views). Returns the manifest."""
+    temporary copy: bytes land directly in the views). Returns the manifest. The masters alone (an export)
+    may be read into a store of the other master dtype (converted); with the moments (a resume) the store
+    must have the checkpoint's train.master_weights (CheckpointSettingError)."""
     path = Path(path)
     manifest = read_manifest(path)
+    if set(sections) != {"master"}:
+        check_master_weights(store, manifest, path)
     if "world" in manifest:  # written by N data-parallel ranks: gathered from their shard files
         load_resharded(store, path, manifest, sections)
     else:
@@ -49,6 +53,7 @@ def load_checkpoint(store: HostStore, path: str | Path) -> dict:
     if zlib.crc32(raw) != manifest["files"][TRAINER_STATE]["crc32"]:
         raise CheckpointError(f"{path / TRAINER_STATE}: checksum mismatch (file corrupted)")
     trainer_state = json.loads(raw)
+    check_master_weights(store, manifest, path)  # before any tile is touched
     if getattr(store, "world", None) is not None:  # a ShardedHostStore: this rank's part, from any N
         load_rank(store, path, manifest)
     else:

@@ -31,8 +31,9 @@ import torch
 from megatrain_cli.checkpoint.format import (CHUNK_BYTES, CheckpointError, CheckpointWriteError, check_free_space,
                                              fsync_dir, read_safetensors_header, remove_interrupted,
                                              removed_on_failure, tensor_bytes)
-from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES, VERSION, event, model_summary,
-                                             read_tile, seal_and_publish, tile_file_bytes, write_side_files,
+from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES, VERSION, event,
+                                             manifest_master_dtype, master_weights, model_summary, read_tile,
+                                             seal_and_publish, section_start, tile_file_bytes, write_side_files,
                                              write_tile)
 
 
@@ -92,7 +93,7 @@ def _save(store, output_dir: Path, step: int, trainer_state: dict, keep_last_n: 
                 fsync_dir(tmp / "tiles")
                 files = write_side_files(tmp, store, state_bytes, tokenizer, source_dir)
                 manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
-                            "world": world, "tiles": [], "shards": [t for t, _ in shards], "files": files}
+                            "master_weights": master_weights(store), "world": world, "tiles": [], "shards": [t for t, _ in shards], "files": files}
                 seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
         except (OSError, CheckpointError) as e:
             problem = str(e)
@@ -128,7 +129,8 @@ def load_rank(store, path: Path, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"{path}: its shards do not match this run's (same model, same ranks: "
                                   f"written by another version?)")
         for entry in entries:
-            read_tile(store.tiles[entry["name"]], path / entry["file"], entry, SECTIONS)
+            read_tile(store.tiles[entry["name"]], path / entry["file"], entry, SECTIONS,
+                      manifest_master_dtype(manifest))
             store.tiles[entry["name"]].step = int(entry["step"])
         return
     load_resharded(store, path, manifest, SECTIONS)
@@ -140,6 +142,7 @@ def load_resharded(store, path: Path, manifest: dict[str, Any], sections: tuple[
     when the moments are read."""
     _check_model(store, path, manifest)
     sources = _sources(store, manifest)
+    master = manifest_master_dtype(manifest)
     for name, tile in store.tiles.items():
         first, count = _wanted(store, name)
         for section in sections:
@@ -149,7 +152,7 @@ def load_resharded(store, path: Path, manifest: dict[str, Any], sections: tuple[
                 lo, hi = max(first, src_first), min(first + count, src_first + src_count)
                 if lo < hi:
                     _copy_range(path / entry["file"], entry, section, src_first, src_count, lo, hi,
-                                dst[lo - first:hi - first])
+                                dst[lo - first:hi - first], master)
                     filled += hi - lo
             if filled != count:
                 raise CheckpointError(f"{path}: tile {name} has {filled} of the {count} elements this store needs")
@@ -189,26 +192,28 @@ def _wanted(store, name: str) -> tuple[int, int]:
 
 
 def _copy_range(file: Path, entry: dict, section: str, src_first: int, src_count: int, lo: int, hi: int,
-                dst: torch.Tensor) -> None:
+                dst: torch.Tensor, master_dtype: torch.dtype = torch.float32) -> None:
     """Elements [lo, hi) (tile coordinates) of `section` from a file holding [src_first, src_first +
-    src_count): the whole section is streamed so its checksum is checked; the overlap lands in `dst`."""
-    k = SECTIONS.index(section)
+    src_count) whose masters are `master_dtype`: the whole section is streamed so its checksum is checked;
+    the overlap lands in `dst` (converted, when dst's dtype is another)."""
+    dtype = master_dtype if section == "master" else torch.float32
+    w = dtype.itemsize
     with open(file, "rb", buffering=0) as f:
         _, raw = read_safetensors_header(f, file.name)
         if zlib.crc32(raw) != entry["crc32"]["header"]:
             raise CheckpointError(f"{file.name}: header checksum mismatch (file corrupted)")
-        f.seek(len(raw) + k * src_count * 4)
-        buf = torch.empty(CHUNK_BYTES // 4, dtype=torch.float32)
+        f.seek(len(raw) + section_start(src_count, section, master_dtype))
+        buf = torch.empty(CHUNK_BYTES // w, dtype=dtype)
         view, crc, at = tensor_bytes(buf), 0, src_first
         while at < src_first + src_count:
             n = min(buf.numel(), src_first + src_count - at)
             got = 0
-            while got < n * 4:
-                r = f.readinto(view[got:n * 4])
+            while got < n * w:
+                r = f.readinto(view[got:n * w])
                 if not r:
                     raise CheckpointError(f"{file.name}: truncated (ended early)")
                 got += r
-            crc = zlib.crc32(view[:n * 4], crc)
+            crc = zlib.crc32(view[:n * w], crc)
             a, b = max(lo, at), min(hi, at + n)
             if a < b:
                 dst[a - lo:b - lo].copy_(buf[a - at:b - at])

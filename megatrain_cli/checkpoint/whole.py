@@ -1,4 +1,5 @@
-"""Checkpoints of one process's whole host store: fp32 masters, both Adam moments and step counts,
+"""Checkpoints of one process's whole host store: masters (fp32, or bf16: train.master_weights), both
+Adam moments and step counts,
 one tile file per tile (the directory's layout: layout.py).
 
 Saving writes each tile straight from its views (no copy of the model in RAM) and costs an fsync per
@@ -13,9 +14,9 @@ from typing import Any
 
 from megatrain_cli.checkpoint.format import (CheckpointError, check_free_space, fsync_dir, remove_interrupted,
                                              removed_on_failure)
-from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES, VERSION, event, model_summary,
-                                             read_tile, seal_and_publish, tile_file_bytes, write_side_files,
-                                             write_tile)
+from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES, VERSION, event,
+                                             manifest_master_dtype, master_weights, model_summary, read_tile,
+                                             seal_and_publish, tile_file_bytes, write_side_files, write_tile)
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -44,7 +45,7 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
         files = write_side_files(tmp, store, state_bytes, tokenizer, source_dir)
         fsync_dir(tmp / "tiles")
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
-                    "tiles": tiles, "files": files}
+                    "master_weights": master_weights(store), "tiles": tiles, "files": files}
         seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
     return final
 
@@ -53,8 +54,9 @@ def load_whole(store: HostStore, path: Path, manifest: dict[str, Any], sections:
     """The chosen sections of a one-process checkpoint (its manifest already read and checked) into a
     whole store, tile by tile, straight into the views; step counts too when the moments are read."""
     _check_fits(store, manifest, path)
+    master = manifest_master_dtype(manifest)
     for entry in manifest["tiles"]:
-        read_tile(store.tiles[entry["name"]], path / entry["file"], entry, sections)
+        read_tile(store.tiles[entry["name"]], path / entry["file"], entry, sections, master)
     if "exp_avg" in sections:  # step counts only mean something together with the moments
         for entry in manifest["tiles"]:
             store.tiles[entry["name"]].step = int(entry["step"])

@@ -19,6 +19,7 @@ from megatrain_cli.engine.inputs import embed_output_grad, step_inputs
 from megatrain_cli.engine.embed_backward import embed_backward
 from megatrain_cli.engine.head import run_head
 from megatrain_cli.engine.plan.lean import LeanPlan
+from megatrain_cli.engine.resident import ResidentLayers
 from megatrain_cli.engine.router_loss import moe_setup, routers
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
@@ -51,7 +52,8 @@ class Engine:
     `update_on_read`, `packer_threads`, `adamw_threads`: the host optimizer's code and threads
     (optim/host_adamw.py, optim/worker.py). `dist` (engine/dist.py) makes this engine one data-parallel
     rank over its ShardedHostStore: layers all-gathered on the devices, gradients reduce-scattered,
-    loss and gradient norm global.
+    loss and gradient norm global. `resident_layers`: the first N layers keep their optimizer state on the
+    device and are updated there (engine/resident.py; one process only).
     """
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
@@ -61,7 +63,7 @@ class Engine:
                  long_context: LeanPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
                  host_adamw: str = "auto", defer_moments: bool = True, update_on_read: bool = True,
                  packer_threads: int | None = None, adamw_threads: int | None = None,
-                 dist: DistContext | None = None):
+                 resident_layers: int = 0, dist: DistContext | None = None):
         if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
             raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
                              f"the engine was given {checkpoint_interval}: pass "
@@ -85,6 +87,10 @@ class Engine:
         self.norm_template = self.adapter.make_norm_template()
         self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
         self.optimizer = HostAdamW(train, kernel=host_adamw, defer_moments=defer_moments)
+        if resident_layers and dist is not None:
+            raise ValueError("resident_layers needs one process: a data-parallel rank holds a shard of each layer")
+        names = store.layer_names[:max(0, resident_layers)]
+        self.resident = ResidentLayers(store, names, device, self.dtype, train) if names else None
         self.worker = None
         self.update_on_read = False
         if overlap_optimizer:
@@ -198,6 +204,8 @@ class Engine:
         elif not res.skipped:
             for name in self.update_order():
                 self.optimizer.update(self.store.tiles[name], lr, coef)
+        if self.resident is not None and not res.skipped:
+            self.resident.update(lr, coef)
         res.times["optimizer"] = time.perf_counter() - t0
         return res
 
@@ -216,13 +224,23 @@ class Engine:
         return self.long_context.mlp_chunk_tokens if self.long_context is not None else None
 
     def update_order(self) -> list[str]:
-        """The order the next forward reads tiles: embedding rows, layers, head."""
-        return ["embed", *self.store.layer_names, "head"]
+        """The order the next forward reads the host-updated tiles: embedding rows, layers, head."""
+        return [t for t in ("embed", *self.store.layer_names, "head") if not self._is_resident(t)]
 
-    def synchronize(self) -> None:
-        """Wait for every pending update (before reading masters: checkpoint, export, eval)."""
+    def _is_resident(self, tile: str) -> bool:
+        return self.resident is not None and tile in self.resident
+
+    def _acquire(self, tile: str) -> torch.Tensor:
+        """A layer's weights on the device: a resident layer's own buffer, else the streamer's slot."""
+        return self.resident.weights(tile) if self._is_resident(tile) else self.streamer.acquire(tile)
+
+    def synchronize(self, masters: bool = True) -> None:
+        """Wait for every pending host update; `masters`: also bring the resident layers' state home, so
+        the host tiles are current (checkpoint, export, eval). A bench's timing wants the wait alone."""
         if self.worker is not None:
             self.worker.drain()
+        if masters and self.resident is not None and self.resident.loaded:
+            self.resident.store_home()
 
     def close(self) -> None:
         self.synchronize()
@@ -235,7 +253,11 @@ class Engine:
     def forward_backward(self, mbs: list[MicroBatch]) -> StepResult:
         dev, H = self.device, self.adapter.hidden_size
         times: dict[str, float] = {}
-        self.streamer.begin_step(fetch_order(self.ops))
+        if self.resident is not None and not self.resident.loaded:
+            self.resident.load()  # here, not at construction: a resume fills the host tiles in between
+        self.streamer.begin_step([t for t in fetch_order(self.ops) if not self._is_resident(t)])
+        if self.dist is None:  # ranks start their all-gathers in step with each other, at the first acquire
+            self.streamer.prefetch_first()
         t_start = time.perf_counter()
 
         # Per micro-batch inputs. Embedding rows are gathered on the host (only the unique tokens of
@@ -275,7 +297,7 @@ class Engine:
                                 checkpoints[op.block] = list(h)
                             elif op.block not in self.keep_blocks:  # a kept block is never recomputed
                                 off.put(op.block, list(h))
-                        flat = self.streamer.acquire(op.tile)
+                        flat = self._acquire(op.tile)
                         if op.grad:
                             h = self._record_layer(op.layer, flat, h, ctx, graphs, count=True)
                         else:
@@ -304,10 +326,10 @@ class Engine:
                                 h = off.get(op.block)
                                 if op.block in self._next_recompute:  # one block ahead, behind this one's compute
                                     off.prefetch(self._next_recompute[op.block])
-                        flat = self.streamer.acquire(op.tile)
+                        flat = self._acquire(op.tile)
                         h = self._record_layer(op.layer, flat, h, ctx, graphs)
                     elif op.kind == "backward":
-                        flat = self.streamer.acquire(op.tile)
+                        flat = self._acquire(op.tile)
                         grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
                     elif op.kind == "embed_backward":
                         grads_out = [embed_output_grad(tr, g) for tr, g in zip(x.transforms, grads_out)]
@@ -367,5 +389,8 @@ class Engine:
                 acc_views[name].add_(gw)
         sq = torch.dot(acc, acc)  # no temporary the size of the layer, unlike acc.square().sum()
         sq_norm.add_(sq)
-        self.sink.send(f"layers.{i}", acc, sq)
+        if self._is_resident(f"layers.{i}"):
+            self.resident.set_grad(f"layers.{i}", acc)
+        else:
+            self.sink.send(f"layers.{i}", acc, sq)
         return grads_in

@@ -124,16 +124,21 @@ def _mismatch(path: Path, store, missing: list[str], unexpected: list[str]) -> M
 
 
 def random_init_tile(tile, std: float, seed: int, index: int, norm_value: float = 1.0) -> None:
-    """One whole tile's masters as random_init draws them (tile `index` in store order)."""
+    """One whole tile's masters as random_init draws them (tile `index` in store order). bf16 masters get
+    the fp32 draw rounded (the same start as fp32 masters, and as a sharded store's), through one slot's
+    fp32 copy at a time."""
     gen = torch.Generator().manual_seed(seed * 100_003 + index)
     for slot in tile.layout.slots:
-        view = tile.master[slot.offset:slot.offset + slot.numel]
+        target = tile.master[slot.offset:slot.offset + slot.numel]
+        view = target if target.dtype == torch.float32 else torch.empty(slot.numel)
         if len(slot.shape) >= 2:
             view.normal_(0.0, std, generator=gen)
         elif "norm" in slot.name:
             view.fill_(norm_value)  # 1, or 0 for Gemma's (1 + weight) norms: what HF's own init gives
         else:
             view.zero_()
+        if view is not target:
+            target.copy_(view)
 
 
 def random_init(store: HostStore, seed: int = 0, threads: int | None = None) -> None:
@@ -163,9 +168,9 @@ def random_init(store: HostStore, seed: int = 0, threads: int | None = None) -> 
 
 
 def build_store(config, compute_dtype: torch.dtype, *, weights_path: str | Path | None = None,
-                seed: int = 0) -> HostStore:
+                seed: int = 0, master_dtype: torch.dtype | None = None) -> HostStore:
     adapter = ModelAdapter(config)
-    store = HostStore(adapter, compute_dtype)
+    store = HostStore(adapter, compute_dtype, master_dtype=master_dtype)
     if weights_path is not None:
         load_weights(store, weights_path)
     else:
@@ -175,11 +180,13 @@ def build_store(config, compute_dtype: torch.dtype, *, weights_path: str | Path 
 
 
 def build_sharded_store(config, compute_dtype: torch.dtype, rank: int, world: int, *,
-                        weights_path=None, seed: int = 0, cpu_group=None) -> ShardedHostStore:
+                        weights_path=None, seed: int = 0, cpu_group=None,
+                        master_dtype: torch.dtype | None = None) -> ShardedHostStore:
     """build_store for one rank: safetensors tensor by tensor (each rank keeps its part), or the
     same random init as one process (each tile is drawn whole, one at a time, and sliced), so a sharded
     run starts from exactly the weights of a single-process run with the same seed."""
-    store = ShardedHostStore(ModelAdapter(config), compute_dtype, rank, world, cpu_group=cpu_group)
+    store = ShardedHostStore(ModelAdapter(config), compute_dtype, rank, world, cpu_group=cpu_group,
+                             master_dtype=master_dtype)
     if weights_path is not None:
         load_weights(store, weights_path)
     else:

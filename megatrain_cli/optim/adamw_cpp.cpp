@@ -1,5 +1,6 @@
 // The host AdamW kernel: torch's fused CPU AdamW, one pass over each flat section, reading bf16
-// gradients directly. Loaded (compiled at first use) by adamw_cpp.py, whose docstring says what each
+// gradients directly; the weights are fp32 masters, or bf16 ones (train.master_weights: widened in
+// registers, the update computed in fp32, the new weight stored rounded to nearest even). Loaded (compiled at first use) by adamw_cpp.py, whose docstring says what each
 // entry point computes and costs, and how it stays bit-identical to torch._fused_adamw_.
 // Every entry point releases the GIL while it runs, as torch's own ops do: the optimizer worker thread
 // runs it beside the training thread.
@@ -10,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <immintrin.h>
+#include <type_traits>
 
 namespace {
 
@@ -49,6 +51,7 @@ inline float bf16_to_float(uint16_t b) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+// A gradient or weight element as fp32: G (P) is float, or uint16_t holding bf16 bits.
 template <typename G> inline float load_g(const G* g, int64_t i);
 template <> inline float load_g<float>(const float* g, int64_t i) { return g[i]; }
 template <> inline float load_g<uint16_t>(const uint16_t* g, int64_t i) { return bf16_to_float(g[i]); }
@@ -63,6 +66,10 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+// Store a new weight: an fp32 master as it is, a bf16 master rounded as float_to_bf16.
+inline void store_p(float* p, int64_t i, float x) { p[i] = x; }
+inline void store_p(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
+
 // ---------------------------------------------------------------- scalar (any CPU; also the tails)
 // kTail: the formula of torch's scalar tail (the last numel % 8 elements of a call), whose build
 // contracts the v update differently from its vector loop.
@@ -70,8 +77,8 @@ inline uint16_t float_to_bf16(float f) {
 enum Mode { kFull = 0, kWeights = 1, kMoments = 2 };
 
 // `out` (kWeights only; nullptr: none): the new weights' bf16 cast is stored there too.
-template <int kMode = kFull, bool kTail = false, typename G>
-inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, const Consts& k,
+template <int kMode = kFull, bool kTail = false, typename P, typename G>
+inline void update_scalar(P* p, const G* gp, float* m, float* v, int64_t n, const Consts& k,
                           uint16_t* out = nullptr) {
   for (int64_t i = 0; i < n; ++i) {
     float g = load_g(gp, i);
@@ -85,11 +92,12 @@ inline void update_scalar(float* p, const G* gp, float* m, float* v, int64_t n, 
       v[i] = vv;
     }
     if constexpr (kMode != kMoments) {
-      float pv = p[i];
+      float pv = load_g(p, i);
       if (k.wd) pv = pv * k.decay;
       float d = std::sqrt(vv) / k.bc2s + k.eps;
-      p[i] = pv + (k.neg_step * mv) / d;
-      if (kMode == kWeights && out != nullptr) out[i] = float_to_bf16(p[i]);
+      pv = pv + (k.neg_step * mv) / d;
+      store_p(p, i, pv);
+      if (kMode == kWeights && out != nullptr) out[i] = float_to_bf16(pv);
     }
   }
 }
@@ -131,8 +139,11 @@ __attribute__((target("avx2,fma"))) inline void store_bf16x8(uint16_t* out, __m2
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 
-template <int kMode, typename G>
-__attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, float* m, float* v,
+__attribute__((target("avx2,fma"))) inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
+__attribute__((target("avx2,fma"))) inline void store8(uint16_t* p, __m256 x) { store_bf16x8(p, x); }
+
+template <int kMode, typename P, typename G>
+__attribute__((target("avx2,fma"))) void update_avx2(P* p, const G* gp, float* m, float* v,
                                                     int64_t n, const Consts& k, uint16_t* out = nullptr) {
   const __m256 beta2 = _mm256_set1_ps(k.beta2), w1 = _mm256_set1_ps(k.w1), w1m1 = _mm256_set1_ps(k.w1m1);
   const __m256 c2 = _mm256_set1_ps(k.c2), bc2s = _mm256_set1_ps(k.bc2s), eps = _mm256_set1_ps(k.eps);
@@ -151,11 +162,11 @@ __attribute__((target("avx2,fma"))) void update_avx2(float* p, const G* gp, floa
       _mm256_storeu_ps(v + i, vv);
     }
     if constexpr (kMode != kMoments) {
-      __m256 pv = _mm256_loadu_ps(p + i);
+      __m256 pv = load8(p + i);
       if (k.wd) pv = _mm256_mul_ps(pv, decay);
       __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2s), eps);
       pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(neg_step, mv), d));
-      _mm256_storeu_ps(p + i, pv);
+      store8(p + i, pv);
       if (kMode == kWeights && out != nullptr) store_bf16x8(out + i, pv);
     }
   }
@@ -194,9 +205,12 @@ bool has_avx2() {
 
 void check(const at::Tensor& master, const at::Tensor& grad, const at::Tensor& exp_avg,
            const at::Tensor& exp_avg_sq) {
-  for (const at::Tensor* t : {&master, &exp_avg, &exp_avg_sq}) {
+  TORCH_CHECK(master.device().is_cpu() && master.is_contiguous() &&
+              (master.scalar_type() == at::kFloat || master.scalar_type() == at::kBFloat16),
+              "master must be a contiguous fp32 or bf16 CPU tensor");
+  for (const at::Tensor* t : {&exp_avg, &exp_avg_sq}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat && t->is_contiguous(),
-                "master/exp_avg/exp_avg_sq must be contiguous fp32 CPU tensors");
+                "exp_avg/exp_avg_sq must be contiguous fp32 CPU tensors");
     TORCH_CHECK(t->numel() == master.numel(), "sections must have the same numel");
   }
   TORCH_CHECK(grad.device().is_cpu() && grad.is_contiguous() && grad.numel() == master.numel(),
@@ -222,36 +236,46 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
   const int64_t numel = master.numel();
   if (numel == 0) return;
   if (kOp == kCorrect) n = numel;
-  float* p = master.data_ptr<float>();
+  // correct's algebra recovers the old weight from the new one: a rounded (bf16) weight cannot give it back
+  TORCH_CHECK(kOp != kCorrect || master.scalar_type() == at::kFloat, "correct needs fp32 master weights");
   float* m = exp_avg.data_ptr<float>();
   float* v = exp_avg_sq.data_ptr<float>();
   const bool bf16 = grad.scalar_type() == at::kBFloat16;
   const void* g = grad.data_ptr();
   const bool avx2 = has_avx2();
   const int64_t units = (n + kUnit - 1) / kUnit;
-  at::parallel_for(0, units, kGrainUnits, [&](int64_t u0, int64_t u1) {
-    const int64_t lo = u0 * kUnit, hi = std::min(n, u1 * kUnit);
-    float *pp = p + lo, *mm = m + lo, *vv = v + lo;
-    uint16_t* oo = out == nullptr ? nullptr : out + lo;
-    const int64_t len = hi - lo;
-    auto pass = [&](const auto* gg) {
-      if constexpr (kOp == kCorrect) {
-        if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k);
-      } else {
-        if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k, oo);
-        else update_scalar<kOp>(pp, gg, mm, vv, len, k, oo);
+  // P: the master's element type (float, or uint16_t holding bf16); the fp32 instantiation is the code
+  // this kernel always ran.
+  auto over = [&](auto* p) {
+    at::parallel_for(0, units, kGrainUnits, [&](int64_t u0, int64_t u1) {
+      const int64_t lo = u0 * kUnit, hi = std::min(n, u1 * kUnit);
+      auto* pp = p + lo;
+      float *mm = m + lo, *vv = v + lo;
+      uint16_t* oo = out == nullptr ? nullptr : out + lo;
+      const int64_t len = hi - lo;
+      auto pass = [&](const auto* gg) {
+        if constexpr (kOp == kCorrect) {
+          if constexpr (std::is_same_v<std::remove_pointer_t<decltype(pp)>, float>) {
+            if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k);
+          }
+        } else {
+          if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k, oo);
+          else update_scalar<kOp>(pp, gg, mm, vv, len, k, oo);
+        }
+      };
+      if (bf16) pass(static_cast<const uint16_t*>(g) + lo);
+      else      pass(static_cast<const float*>(g) + lo);
+    });
+    if constexpr (kOp != kCorrect) {
+      if (n < numel) {
+        uint16_t* ot = out == nullptr ? nullptr : out + n;
+        if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k, ot);
+        else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k, ot);
       }
-    };
-    if (bf16) pass(static_cast<const uint16_t*>(g) + lo);
-    else      pass(static_cast<const float*>(g) + lo);
-  });
-  if constexpr (kOp != kCorrect) {
-    if (n < numel) {
-      uint16_t* ot = out == nullptr ? nullptr : out + n;
-      if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k, ot);
-      else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k, ot);
     }
-  }
+  };
+  if (master.scalar_type() == at::kBFloat16) over(reinterpret_cast<uint16_t*>(master.data_ptr()));
+  else over(master.data_ptr<float>());
 }
 
 }  // namespace

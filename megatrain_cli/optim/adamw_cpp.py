@@ -29,6 +29,11 @@ Entry points over contiguous flat sections of a tile, each ONE pass over the sta
                  staging (reads p, m, v, g; writes p and 2 bytes of bf16: 20 bytes/param against 18 for
                  the weights pass plus 6 for the packer's separate cast; optim/worker.py: update on read).
 
+Weights: fp32 masters, or bf16 ones (train.master_weights: bf16): every entry point but adamw_correct
+takes either. A bf16 weight is widened in registers, updated with the same fp32 operations, and stored
+rounded to nearest even (as torch's cast): bit-identical to "widen, torch._fused_adamw_, copy back"
+(HostAdamW's torch path). The fp32 instantiation is the code that ran before, unchanged.
+
 Vector code: AVX2 + FMA, chosen at run time (__builtin_cpu_supports) through per-function target
 attributes, so the cached build never assumes the CPU it was built on (no -march=native); other
 CPUs run the same math in scalar C++. -ffp-contract=off keeps the compiler from fusing multiplies

@@ -5,6 +5,12 @@ sections (one call for the weight-decayed leading range, one for the rest). Grad
 costs no extra pass: the clip coefficient goes in as the kernel's `grad_scale` (it divides the
 gradient). A bf16 gradient section is widened to fp32 in chunks through a small scratch buffer.
 
+bf16 master weights (train.master_weights: bf16) take the same fp32 math: each chunk of weights is
+widened into a second fp32 scratch buffer, updated there with the fp32 moments, and copied back rounded
+to nearest even. The C++ kernel does it in registers, bit-identical. `correct` and `rollback` refuse
+them: both recover the weight before the update from the weight after it, which rounding destroyed
+(worker.py does not speculate with bf16 masters, so they are never needed).
+
 `correct` turns an update done with clip coefficient 1 (a speculative update, see worker.py) into
 the update with the true coefficient, and `rollback` undoes it, both by AdamW's algebra from the
 new state and the gradient still in the tile. They are exact up to fp32 rounding (about one ulp
@@ -94,6 +100,7 @@ class HostAdamW:
         self.eps = cfg.eps
         self.weight_decay = cfg.weight_decay
         self._scratch: torch.Tensor | None = None
+        self._weights: torch.Tensor | None = None  # fp32 scratch for a chunk of bf16 masters
         self.kernel = resolve_kernel(kernel)
         self._cpp = None
         if self.kernel == "cpp":
@@ -124,6 +131,18 @@ class HostAdamW:
         g.copy_(grad[lo:hi])
         return g
 
+    def _widened_weights(self, master: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        if self._weights is None or self._weights.numel() < hi - lo:
+            self._weights = torch.empty(max(hi - lo, min(CAST_CHUNK, master.numel())))
+        return self._weights[:hi - lo].copy_(master[lo:hi])
+
+    @staticmethod
+    def _exact_only(tile: Tile, what: str) -> None:
+        if tile.master.dtype != torch.float32:
+            raise RuntimeError(f"HostAdamW.{what} needs fp32 master weights: a bf16 weight was rounded after the "
+                               "update and cannot be taken back exactly (train.master_weights=bf16 does not "
+                               "speculate)")
+
     def _bias_corrections(self, step: int) -> tuple[float, float]:
         return 1.0 - self.beta1 ** step, math.sqrt(1.0 - self.beta2 ** step)
 
@@ -132,6 +151,7 @@ class HostAdamW:
 
         About eight elementwise passes, over cache-sized chunks: one memory pass of the tile's state.
         """
+        self._exact_only(tile, "rollback")
         bc1, bc2_sqrt = self._bias_corrections(tile.step)
         for start, end, wd in self._sections(tile):
             for lo in range(start, end, ROLLBACK_CHUNK):
@@ -153,6 +173,7 @@ class HostAdamW:
         (1-b2)(c^2-1)g^2; the weight swaps its old Adam step for the new one (weight decay is the
         same in both, so it cancels). One memory pass, like an update, instead of undo + redo.
         """
+        self._exact_only(tile, "correct")
         if self._cpp is not None:
             if clip != 1.0:
                 for start, end, _ in self._sections(tile):
@@ -217,13 +238,17 @@ class HostAdamW:
                                  beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip)
             tile.step += 1
             return
+        fp32_master = tile.master.dtype == torch.float32
         for start, end, wd in self._sections(tile):
-            if tile.grad.dtype == torch.float32:
+            if tile.grad.dtype == torch.float32 and fp32_master:
                 self._fused(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
                             tile.exp_avg_sq[start:end], step, lr, wd, clip)
                 continue
             for lo in range(start, end, CAST_CHUNK):
                 hi = min(end, lo + CAST_CHUNK)
-                self._fused(tile.master[lo:hi], self._widened(tile.grad, lo, hi), tile.exp_avg[lo:hi],
+                p = tile.master[lo:hi] if fp32_master else self._widened_weights(tile.master, lo, hi)
+                self._fused(p, self._widened(tile.grad, lo, hi), tile.exp_avg[lo:hi],
                             tile.exp_avg_sq[lo:hi], step, lr, wd, clip)
+                if not fp32_master:
+                    tile.master[lo:hi].copy_(p)  # round to nearest even
         tile.step += 1

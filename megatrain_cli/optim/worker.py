@@ -17,7 +17,9 @@ is known only when the backward is done. Two ways around the wait, both exact:
              persist, and a wrong speculation costs a correction after the verdict, on the
              critical path: a second pass over the tile's state where the next forward waits).
              The first step does not speculate either; the first unclipped verdict turns
-             speculation on.
+             speculation on. With bf16 master weights (train.master_weights) nothing speculates:
+             the speculative update's weight is rounded to bf16, so a correction could not be
+             exact; every update is deferred instead (the cost: no update overlaps the backward).
   defer      Tiles not speculated wait for the verdict; then they run in the order the NEXT
              forward reads them (embedding, layers 0.., head), and that forward waits only for
              the tile it is about to stream (`wait(tile)`).
@@ -59,6 +61,8 @@ import math
 import threading
 import time
 from dataclasses import dataclass, field
+
+import torch
 
 from megatrain_cli.machine import limit_this_thread
 from megatrain_cli.optim.host_adamw import HostAdamW
@@ -120,7 +124,9 @@ class OptimizerWorker:
         if threads is not None and threads < 1:  # raised here, not in the worker thread's first job
             raise ValueError(f"OptimizerWorker threads must be >= 1 (None: torch's default), got {threads}")
         self.optimizer, self.store = optimizer, store
-        self.max_grad_norm, self.speculate = max_grad_norm, speculate
+        # bf16 masters: a speculative update cannot be corrected or rolled back exactly (docstring)
+        exact = all(t.master.dtype == torch.float32 for t in store.tiles.values())
+        self.max_grad_norm, self.speculate = max_grad_norm, speculate and exact
         self.threads = threads  # intra-op threads of host AdamW in this worker's thread (None: torch's default)
         self._rank = {name: i for i, name in enumerate(forward_order)}
         # _done: no job pending for the tile; _weights_done: none that changes its weights ('moments' jobs

@@ -100,6 +100,10 @@ def _check_train(r: Recipe, problems: list[str]) -> None:
         problems.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
     _at_least(problems, "train.warmup_steps", t.warmup_steps, 0)
     _positive_amount(problems, "train.max_wall_time", t.max_wall_time, parse_duration, "; null: no limit")
+    if t.master_weights == "bf16" and r.model.dtype == "fp32":
+        problems.append("train.master_weights: bf16 masters need model.dtype bf16 (with model.dtype fp32 the "
+                        "gradients are fp32 and the weights would compute in fp32 from bf16 values); set "
+                        "model.dtype=bf16 or train.master_weights=fp32")
     if not 0.0 <= d.test_fraction < 1.0:
         problems.append(f"data.test_fraction: must be in [0, 1), got {d.test_fraction}")
     _at_least(problems, "data.num_proc", d.num_proc, 1)
@@ -127,6 +131,8 @@ def _check_engine(r: Recipe, problems: list[str]) -> None:
     _at_least(problems, "engine.long_context_min_seq", e.long_context_min_seq, 1, nullable=True)
     if not (e.keep_activations == "auto" or (isinstance(e.keep_activations, int) and e.keep_activations >= 0)):
         problems.append(f"engine.keep_activations: expected 'auto' or an int >= 0, got {e.keep_activations!r}")
+    if not (e.resident_layers == "auto" or (isinstance(e.resident_layers, int) and e.resident_layers >= 0)):
+        problems.append(f"engine.resident_layers: expected 'auto' or an int >= 0, got {e.resident_layers!r}")
     _at_least(problems, "engine.loss_chunk_tokens", e.loss_chunk_tokens, 1)
     _positive_amount(problems, "engine.max_gpu_mem", e.max_gpu_mem, parse_bytes)
 

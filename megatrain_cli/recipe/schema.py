@@ -100,6 +100,14 @@ class TrainConfig:
     max_wall_time: Optional[str] = doc("Stop cleanly after this much wall time (e.g. '3h50m', '90s'): checkpoint "
                                        "after the step in flight and exit with the preemption code; null: no limit.",
                                        None)
+    master_weights: Literal["fp32", "bf16"] = doc(
+        "Master weights on the host: 'fp32' (14 bytes/param of host state with bf16 compute) or 'bf16' (12: the "
+        "Adam moments stay fp32; what lets a ~117B model such as gpt-oss-120b fit a 1.5 TB host). With bf16 each "
+        "update is computed in fp32 and rounded to nearest even bf16, so an update below half a bf16 step of its "
+        "weight (about 0.4% of it) is lost: training drifts from the fp32-master run, most at small learning "
+        "rates (measured: docs/precision.md). It also turns off engine.speculate_optimizer (a rounded weight "
+        "cannot be corrected exactly): every update waits for the step's gradient norm. Needs model.dtype bf16; "
+        "a checkpoint resumes only with the setting it was written with.", "fp32")
 
 
 @dataclass
@@ -118,6 +126,12 @@ class EngineConfig:
     keep_activations: Union[int, str] = doc("Memory-adaptive recompute: how many of the last blocks keep their "
                                             "activations instead of being recomputed; 'auto' = as many as fit "
                                             "the device budget (0 on CPU).", "auto")
+    resident_layers: Union[int, str] = doc("The first N decoder layers keep their master weights, Adam moments and "
+                                           "gradients on the device and are updated there: no transfers and no host "
+                                           "AdamW for them, 16 bytes/param of device memory each (bf16); 'auto' = as "
+                                           "many as fit the device budget before kept activations take the rest (0 "
+                                           "on CPU and on the long-context / memory-lean paths). One process only.",
+                                           "auto")
     kernels: Literal["auto", "torch", "triton"] = doc("Fused kernels: 'auto' uses Triton on CUDA, PyTorch on "
                                                       "CPU.", "auto")
     host_adamw: Literal["auto", "torch", "cpp"] = doc("Host AdamW code: 'cpp' (C++ compiled at first use: one "

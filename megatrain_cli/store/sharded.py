@@ -3,8 +3,8 @@
 Every tile's flat parameter range [0, numel) is padded to `padded = shard * N` and cut into N
 contiguous shards; rank r owns [r * shard, (r + 1) * shard). A rank's tile is an ordinary `Tile`
 (tiles.allocate_tile) of `shard` elements, so it has the same four sections as a whole tile
-(master fp32 | exp_avg | exp_avg_sq | grad) and the host bytes per parameter stay those of one GPU:
-14 (bf16 compute), now over numel / N parameters per rank.
+(master | exp_avg | exp_avg_sq | grad) and the host bytes per parameter stay those of one GPU:
+14 (bf16 compute; 12 with bf16 masters), now over numel / N parameters per rank.
 
     tile      | p0 p1 p2 ... (decayed matrices) ... | ... (norms, biases) ... | pad |
     rank 0    |<---------- shard ---------->|
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_cli.store.tiles import (HostStore, LayoutQueries, Slot, Tile, TileLayout, allocate_tile,
-                                      tile_bytes)
+                                      store_master_dtype, tile_bytes)
 
 SHARD_ALIGN = 64  # elements
 
@@ -80,11 +80,12 @@ class ShardedHostStore(LayoutQueries):
     """This rank's 1/N of every tile, with the whole tiles' layouts; the interface the engine uses."""
 
     def __init__(self, adapter, compute_dtype: torch.dtype, rank: int, world: int, *,
-                 cpu_group=None, allocate: bool = True):
+                 cpu_group=None, allocate: bool = True, master_dtype: torch.dtype | None = None):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in 0..{world - 1}")
         self.adapter = adapter
         self.compute_dtype = compute_dtype
+        self.master_dtype = store_master_dtype(adapter, master_dtype)
         self.rank, self.world = rank, world
         self.cpu_group = cpu_group  # a gloo group for host-tensor collectives (None: the default group)
         self.layouts: dict[str, TileLayout] = HostStore(adapter, compute_dtype, allocate=False).layouts
@@ -94,7 +95,7 @@ class ShardedHostStore(LayoutQueries):
         self.tiles: dict[str, Tile] = {}
         if allocate:
             for name, spec in self.shards.items():
-                tile = allocate_tile(name, TileLayout([], spec.shard, spec.decay), compute_dtype)
+                tile = allocate_tile(name, TileLayout([], spec.shard, spec.decay), compute_dtype, self.master_dtype)
                 for section in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad):
                     section[spec.valid:].zero_()  # the padding is gathered and updated like the rest: zero
                 self.tiles[name] = tile
@@ -103,7 +104,8 @@ class ShardedHostStore(LayoutQueries):
     def from_full(cls, store: HostStore, rank: int, world: int, *, cpu_group=None) -> "ShardedHostStore":
         """This rank's shards of a whole store (all four sections and the step counts): tests, and
         the start of a run whose weights were loaded whole."""
-        out = cls(store.adapter, store.compute_dtype, rank, world, cpu_group=cpu_group)
+        out = cls(store.adapter, store.compute_dtype, rank, world, cpu_group=cpu_group,
+                  master_dtype=store.master_dtype)
         for name, tile in out.tiles.items():
             src, spec = store.tiles[name], out.shards[name]
             n = spec.valid
@@ -116,7 +118,7 @@ class ShardedHostStore(LayoutQueries):
     # ------------------------------------------------------------ what HostStore offers
     def host_bytes(self) -> int:
         """This rank's tile bytes."""
-        return sum(tile_bytes(s.shard, self.compute_dtype) for s in self.shards.values())
+        return sum(tile_bytes(s.shard, self.compute_dtype, self.master_dtype) for s in self.shards.values())
 
     def padded_numel(self, tile: str) -> int:
         """Elements of the tile's gathered device buffer and gradient accumulator (whole tile + padding)."""
@@ -151,7 +153,7 @@ class ShardedHostStore(LayoutQueries):
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The whole masters under HF names, on every rank (a collective; one tile at a time): tests,
-        export. Host memory: the whole model in fp32 (or `dtype`) on each rank."""
+        export. Host memory: the whole model in the master dtype (or `dtype`) on each rank."""
         out = {}
         for tname, layout in self.layouts.items():
             full = self.gather_tile(tname)

@@ -5,7 +5,9 @@ head). A tile is ONE contiguous, 4 KiB-aligned allocation of ordinary pageable m
 
     | master fp32 | exp_avg fp32 | exp_avg_sq fp32 | grad (compute dtype) |      each section 4 KiB-aligned
 
-= 12 + 2 = 14 bytes per parameter with bf16 compute (16 with fp32 compute). The compute-dtype copy
+= 12 + 2 = 14 bytes per parameter with bf16 compute (16 with fp32 compute). The master section's dtype
+is the store's `master_dtype` (train.master_weights): bf16 masters make it 2 + 8 + 2 = 12 bytes per
+parameter, at the cost of updates rounded to bf16 every step (docs/precision.md). The compute-dtype copy
 of the weights that the GPU receives is not kept here: the packer casts the fp32 master into pinned
 staging on its way out (saves 2 bytes/param, i.e. 15 GB on a 7B model). Inside each section the
 parameters lie in the same order, matrices first, so that the weight-decayed part of a tile is one
@@ -21,7 +23,8 @@ import torch
 
 
 ALIGN = 4096
-MASTER_DTYPE = torch.float32
+MASTER_DTYPE = torch.float32  # the default master section (and always the moments' dtype)
+MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.master_weights -> the master section
 
 
 @dataclass
@@ -113,29 +116,49 @@ class Tile:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
+    @property
+    def master_dtype(self) -> torch.dtype:
+        return self.master.dtype
 
-def tile_bytes(numel: int, grad_dtype: torch.dtype) -> int:
+
+def _width(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
+def tile_bytes(numel: int, grad_dtype: torch.dtype, master_dtype: torch.dtype = MASTER_DTYPE) -> int:
+    master = _round_up(numel * _width(master_dtype), ALIGN)
     fp32 = _round_up(numel * 4, ALIGN)
-    grad = _round_up(numel * torch.finfo(grad_dtype).bits // 8, ALIGN)
-    return 3 * fp32 + grad
+    grad = _round_up(numel * _width(grad_dtype), ALIGN)
+    return master + 2 * fp32 + grad
 
 
-def allocate_tile(name: str, layout: TileLayout, grad_dtype: torch.dtype) -> Tile:
+def allocate_tile(name: str, layout: TileLayout, grad_dtype: torch.dtype,
+                  master_dtype: torch.dtype = MASTER_DTYPE) -> Tile:
     """One aligned pageable allocation for the whole tile; sections are dtype views into it."""
-    total = tile_bytes(layout.numel, grad_dtype)
+    if master_dtype not in MASTER_DTYPES.values():
+        raise ValueError(f"master weights must be fp32 or bf16, got {master_dtype}")
+    total = tile_bytes(layout.numel, grad_dtype, master_dtype)
     raw = torch.empty(total + ALIGN, dtype=torch.uint8)  # untouched pages cost nothing until written
     shift = (-raw.data_ptr()) % ALIGN
     buf = raw[shift:shift + total]
-    fp32 = _round_up(layout.numel * 4, ALIGN)
     n = layout.numel
+    master = _round_up(n * _width(master_dtype), ALIGN)
+    fp32 = _round_up(n * 4, ALIGN)
 
     def section(start: int, dtype: torch.dtype) -> torch.Tensor:
-        width = torch.finfo(dtype).bits // 8
-        return buf[start:start + n * width].view(dtype)
+        return buf[start:start + n * _width(dtype)].view(dtype)
 
     return Tile(name, layout, grad_dtype, buf,
-                master=section(0, MASTER_DTYPE), exp_avg=section(fp32, MASTER_DTYPE),
-                exp_avg_sq=section(2 * fp32, MASTER_DTYPE), grad=section(3 * fp32, grad_dtype))
+                master=section(0, master_dtype), exp_avg=section(master, torch.float32),
+                exp_avg_sq=section(master + fp32, torch.float32), grad=section(master + 2 * fp32, grad_dtype))
+
+
+def store_master_dtype(adapter: ModelParts, master_dtype: torch.dtype | None) -> torch.dtype:
+    """The master section of a store: the one named (train.master_weights), else fp32."""
+    dtype = master_dtype if master_dtype is not None else MASTER_DTYPE
+    if dtype not in MASTER_DTYPES.values():
+        raise ValueError(f"master weights must be fp32 or bf16, got {dtype}")
+    return dtype
 
 
 class LayoutQueries:
@@ -173,9 +196,11 @@ class LayoutQueries:
 class HostStore(LayoutQueries):
     """All tiles of one model, in streaming order: embed, layers.0 .. layers.L-1, head."""
 
-    def __init__(self, adapter: ModelParts, compute_dtype: torch.dtype, allocate: bool = True):
+    def __init__(self, adapter: ModelParts, compute_dtype: torch.dtype, allocate: bool = True,
+                 master_dtype: torch.dtype | None = None):
         self.adapter = adapter
         self.compute_dtype = compute_dtype
+        self.master_dtype = store_master_dtype(adapter, master_dtype)
         self.layouts: dict[str, TileLayout] = {"embed": TileLayout.from_specs(adapter.embed_specs())}
         for i in range(adapter.num_layers):
             self.layouts[f"layers.{i}"] = TileLayout.from_specs(adapter.layer_specs(i))
@@ -183,10 +208,10 @@ class HostStore(LayoutQueries):
         self.tiles: dict[str, Tile] = {}
         if allocate:
             for name, layout in self.layouts.items():
-                self.tiles[name] = allocate_tile(name, layout, compute_dtype)
+                self.tiles[name] = allocate_tile(name, layout, compute_dtype, self.master_dtype)
 
     def host_bytes(self) -> int:
-        return sum(tile_bytes(l.numel, self.compute_dtype) for l in self.layouts.values())
+        return sum(tile_bytes(l.numel, self.compute_dtype, self.master_dtype) for l in self.layouts.values())
 
     # ------------------------------------------------------------ HF names
     def master_view(self, tile: str, slot: Slot) -> torch.Tensor:

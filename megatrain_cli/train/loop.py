@@ -117,7 +117,7 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
                                                                                               t.grad_accum)))
     total_text = f"train.steps={t.steps}" if t.steps is not None else f"train.epochs={t.epochs}"
     # Which checkpoint, refused when it cannot be right: before anything is built or written.
-    candidates = resume.choose(r.checkpoint.resume, out, total, total_text, lead)
+    candidates = resume.choose(r.checkpoint.resume, out, total, total_text, lead, t.master_weights)
     if lead:
         (out / "recipe.yaml").write_text(render_yaml(r))
     long_ctx = plan.lean

@@ -18,12 +18,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from megatrain_cli.checkpoint import CheckpointError, checkpoint_step, checkpoints_newest_first, load_checkpoint
+from megatrain_cli.checkpoint import (CheckpointError, CheckpointSettingError, checkpoint_step,
+                                     checkpoints_newest_first, load_checkpoint)
 from megatrain_cli.train.errors import EXIT_BAD_INPUT, TrainingError
 
 
-def choose(resume: str | None, out: Path, total: int, total_text: str, lead: bool) -> list[Path]:
-    """The checkpoints to try, in order (empty: start at step 0)."""
+def choose(resume: str | None, out: Path, total: int, total_text: str, lead: bool,
+           master_weights: str | None = None) -> list[Path]:
+    """The checkpoints to try, in order (empty: start at step 0). `master_weights`: the run's
+    train.master_weights; a first candidate written with the other one is refused here, before the store is
+    built (load refuses it too)."""
     if resume is None:
         return []
     if resume != "auto":
@@ -50,6 +54,15 @@ def choose(resume: str | None, out: Path, total: int, total_text: str, lead: boo
                             f"resuming would label later weights as step {total} and rotate {candidates[0].name} "
                             f"away. Set train.steps to more than {step} to train on, or start over in another "
                             "output_dir. Nothing was written", EXIT_BAD_INPUT)
+    if master_weights is not None:
+        from megatrain_cli.checkpoint.layout import read_manifest
+
+        written = read_manifest(candidates[0]).get("master_weights", "fp32")
+        if written != master_weights:
+            raise TrainingError(f"{candidates[0]} was written with train.master_weights={written}, this run has "
+                                f"train.master_weights={master_weights}: resume with train.master_weights={written}, "
+                                "or export it and start a new run from the export. Nothing was written",
+                                EXIT_BAD_INPUT)
     return candidates
 
 
@@ -61,6 +74,8 @@ def load(store, candidates: list[Path], *, auto: bool, dist, lead: bool) -> tupl
     for path in candidates:
         try:
             state, problem = load_checkpoint(store, path), None
+        except CheckpointSettingError as e:  # sound, but not for this run's settings: refused, never passed over
+            raise TrainingError(str(e), EXIT_BAD_INPUT) from None
         except CheckpointError as e:
             state, problem = None, str(e)
         problems = [problem] if problem else []

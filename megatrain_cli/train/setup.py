@@ -11,6 +11,7 @@ import torch
 
 from megatrain_cli.engine.plan.step_plan import DTYPES, StepPlan
 from megatrain_cli.recipe import Recipe
+from megatrain_cli.store.tiles import MASTER_DTYPES
 from megatrain_cli.train.errors import TrainingError
 
 
@@ -47,15 +48,16 @@ def model_config(r: Recipe, tokenizer=None):
 
 
 def build_store(r: Recipe, config, dist=None):
-    """The host store (fp32 masters, moments, gradients; 14 bytes/param with bf16 compute): the model's
-    weights read tensor by tensor, or the preset's seeded random init. `dist`: this rank's 1/N shard."""
+    """The host store (masters as train.master_weights says, fp32 moments, gradients; 14 bytes/param with
+    bf16 compute, 12 with bf16 masters): the model's weights read tensor by tensor, or the preset's seeded
+    random init. `dist`: this rank's 1/N shard."""
     from megatrain_cli.models.loader import build_sharded_store, build_store as build_whole
 
-    dtype = DTYPES[r.model.dtype]
+    dtype, master = DTYPES[r.model.dtype], MASTER_DTYPES[r.train.master_weights]
     if dist is None:
-        return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed)
+        return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed, master_dtype=master)
     return build_sharded_store(config, dtype, dist.rank, dist.world, weights_path=r.model.path, seed=r.model.seed,
-                               cpu_group=dist.cpu_group)
+                               cpu_group=dist.cpu_group, master_dtype=master)
 
 
 def lean_allocator(device: torch.device) -> str:
@@ -89,4 +91,4 @@ def build_engine(r: Recipe, store, plan: StepPlan, device: torch.device, dist=No
                   overlap_optimizer=e.overlap_optimizer and device.type == "cuda", speculate=e.speculate_optimizer,
                   sdpa=e.sdpa, kernels=e.kernels, host_adamw=e.host_adamw, defer_moments=e.defer_moments,
                   update_on_read=e.update_on_read, packer_threads=e.packer_threads, adamw_threads=e.adamw_threads,
-                  dist=dist)
+                  resident_layers=plan.resident_layers if dist is None else 0, dist=dist)

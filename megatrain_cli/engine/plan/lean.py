@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from megatrain_cli.engine.plan.lean_terms import ModelShape, device_terms
+from megatrain_cli.engine.transfer.slots import transfer_chunk
 
 GiB = 2**30
 
@@ -206,7 +207,7 @@ def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad
         return None
     width = torch.finfo(dtype).bits // 8
     big = max(sum(sp.numel for sp in adapter.layer_specs(i)) for i in range(adapter.num_layers))
-    pinned = (2 + grad_slabs) * big * width if device_type == "cuda" else 0
+    pinned = (2 + grad_slabs) * transfer_chunk(big) * width if device_type == "cuda" else 0
     host = max(0, host_budget_bytes(pinned, available=host_available) - store_bytes_to_come)
     if device_budget is None:
         if device_type == "cuda":

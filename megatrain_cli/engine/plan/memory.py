@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain_cli.engine.plan.lean_terms import ModelShape
+from megatrain_cli.engine.resident import CAST_CHUNK, resident_bytes_per_param
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
+from megatrain_cli.engine.transfer.slots import transfer_chunk
 from megatrain_cli.machine import available_host_bytes
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import HostStore
@@ -29,6 +31,7 @@ class MemoryPlan:
     device: dict = field(default_factory=dict)
     h2d_per_layer: float = 0.0
     keep_blocks: int = 0  # last blocks whose activations are kept instead of recomputed
+    resident_layers: int = 0  # first layers whose optimizer state lives on the device
     notes: list = field(default_factory=list)
 
     @property
@@ -60,27 +63,33 @@ class MemoryPlan:
         lines.append(f"  host bytes per parameter, all state: {(self.host_total + self.pinned_total) / self.params:.2f}")
         lines.append(f"  H2D weight transfers per layer per step: {self.h2d_per_layer:.2f}")
         lines.append(f"  blocks keeping their activations (no recompute): {self.keep_blocks}")
+        lines.append(f"  layers resident on the device (updated there, never streamed): {self.resident_layers}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
 def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_size: int, seq_len: int,
               grad_accum: int, checkpoint_interval: int, grad_slabs: int, layer_slots: int = 2,
-              loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0) -> MemoryPlan:
-    """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute)."""
-    store = HostStore(adapter, compute_dtype, allocate=False)
+              loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0,
+              resident_layers: int = 0, master_dtype: torch.dtype = torch.float32) -> MemoryPlan:
+    """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute);
+    `resident_layers`: how many of the first layers keep their optimizer state on the device;
+    `master_dtype`: train.master_weights."""
+    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype)
     n = store.num_params()
     width = torch.finfo(compute_dtype).bits // 8
     plan = MemoryPlan(params=n)
-    plan.host["fp32 master weights"] = 4 * n
+    master = torch.finfo(store.master_dtype).bits // 8  # train.master_weights: 4 (fp32) or 2 (bf16)
+    plan.host[f"{'fp32' if master == 4 else 'bf16'} master weights"] = master * n
     plan.host["fp32 Adam exp_avg"] = 4 * n
     plan.host["fp32 Adam exp_avg_sq"] = 4 * n
     plan.host[f"gradients ({str(compute_dtype).removeprefix('torch.')})"] = width * n
-    plan.host["4 KiB alignment padding"] = max(0, store.host_bytes() - (12 + width) * n)
+    plan.host["4 KiB alignment padding"] = max(0, store.host_bytes() - (master + 8 + width) * n)
     big = store.largest_layer_numel()
     if device_type == "cuda":
-        plan.pinned["weight staging (2 x largest layer)"] = 2 * big * width
-        plan.pinned[f"gradient slabs (K={grad_slabs} x largest layer)"] = grad_slabs * big * width
+        chunk = transfer_chunk(big)
+        plan.pinned[f"weight staging (2 x {chunk / 1e6:.0f} M-element chunks)"] = 2 * chunk * width
+        plan.pinned[f"gradient slabs (K={grad_slabs} x {chunk / 1e6:.0f} M elements)"] = grad_slabs * chunk * width
     h, layers, vocab = adapter.hidden_size, adapter.num_layers, adapter.vocab_size
     tokens = micro_batch_size * seq_len
     plan.device[f"layer weight slots ({layer_slots} x largest layer)"] = layer_slots * big * width
@@ -89,6 +98,10 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
         plan.device["tied embedding table"] = store.layouts["embed"].numel * width
     plan.device["layer gradient (fp32 accumulator + cast)"] = big * (4 + width) + big * width
     plan.device["LM head gradient (fp32)"] = vocab * h * 4
+    resident_layers = max(0, min(resident_layers, layers))
+    if resident_layers:
+        plan.device[f"resident layers ({resident_layers}: master, moments, weights, gradient)"] = \
+            resident_device_bytes(store, resident_layers, width)
     bl = blocks(layers, checkpoint_interval)
     keep_blocks = max(0, min(keep_blocks, len(bl)))
     kept_layers = sum(len(b) for b in bl[len(bl) - keep_blocks:])
@@ -116,11 +129,45 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
     plan.keep_blocks = keep_blocks
     counts = transfers_per_layer(build_schedule(layers, checkpoint_interval, kept_block_ids(len(bl), keep_blocks)),
                                  layer_slots)
-    plan.h2d_per_layer = sum(counts.get(f"layers.{i}", 0) for i in range(layers)) / layers
+    plan.h2d_per_layer = sum(counts.get(f"layers.{i}", 0) for i in range(resident_layers, layers)) / layers
+    plan.resident_layers = resident_layers
     if checkpoint_interval > layer_slots:
         plan.notes.append(f"checkpoint_interval {checkpoint_interval} > {layer_slots} weight slots: part of "
                           "each block is streamed a third time for its backward")
     return plan
+
+
+def resident_device_bytes(store: HostStore, n: int, width: int) -> int:
+    """Device bytes of the first n layers kept resident (engine/resident.py), with its fp32 scratch for
+    widening a bf16 master or gradient."""
+    master = torch.finfo(store.master_dtype).bits // 8
+    per_param = resident_bytes_per_param(master, width, width)
+    scratch = 2 * CAST_CHUNK * 4 if min(width, master) != 4 else 0
+    return sum(store.layouts[name].numel for name in store.layer_names[:n]) * per_param + scratch
+
+
+def choose_resident_layers(budget_bytes: int, headroom: float = 0.88, **plan_args) -> int:
+    """The most leading layers whose device-resident state fits the budget beside the plan without kept
+    activations (kept blocks then take what is left)."""
+    base = make_plan(**plan_args).device_total  # the resident term is the only one that grows with n
+    store = HostStore(plan_args["adapter"], plan_args["compute_dtype"], allocate=False,
+                      master_dtype=plan_args.get("master_dtype"))
+    width = torch.finfo(plan_args["compute_dtype"]).bits // 8
+    best = 0
+    for n in range(1, plan_args["adapter"].num_layers + 1):
+        if base + resident_device_bytes(store, n, width) > headroom * budget_bytes:
+            break
+        best = n
+    return best
+
+
+def resolve_resident_layers(setting: int | str, budget_bytes: int | None, **plan_args) -> int:
+    """The recipe's engine.resident_layers: 'auto' fills the device budget first (CUDA only), N keeps N."""
+    if setting != "auto":
+        return max(0, min(int(setting), plan_args["adapter"].num_layers))
+    if plan_args.get("device_type", "cuda") != "cuda" or not budget_bytes:
+        return 0
+    return choose_resident_layers(budget_bytes, **plan_args)
 
 
 def activation_bytes_per_layer(adapter: ModelAdapter, tokens: int, width: int) -> int:

@@ -23,11 +23,11 @@ import torch
 from megatrain_cli.batch import MAX_LONG_CONTEXT_MASK
 from megatrain_cli.engine.plan.lean import LeanPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
 from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
-                                              resolve_keep_blocks)
+                                              resident_device_bytes, resolve_keep_blocks, resolve_resident_layers)
 from megatrain_cli.engine.schedule import blocks
 from megatrain_cli.machine import HostLimit, effective_host_limit
 from megatrain_cli.recipe import Recipe, parse_bytes
-from megatrain_cli.store.tiles import HostStore
+from megatrain_cli.store.tiles import MASTER_DTYPES, HostStore
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -42,6 +42,7 @@ class StepPlan:
     loss_chunk_tokens: int
     keep_blocks: frozenset = frozenset()
     lean: LeanPlan | None = None
+    resident_layers: int = 0
     path: str = ""
     problems: list = field(default_factory=list)
     host_limit: HostLimit | None = None  # the smallest host ceiling when planned; None: host not checked
@@ -112,10 +113,16 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
     budget = device_budget(r, device) if budget is None else budget
     args = dict(adapter=adapter, compute_dtype=dtype, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
                 grad_accum=t.grad_accum, checkpoint_interval=e.checkpoint_interval, grad_slabs=e.grad_slabs,
-                layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens, device_type=device.type)
-    to_come = 0 if store_built else HostStore(adapter, dtype, allocate=False).host_bytes()
+                layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens, device_type=device.type,
+                master_dtype=MASTER_DTYPES[t.master_weights])
+    shape_store = HostStore(adapter, dtype, allocate=False, master_dtype=args["master_dtype"])
+    to_come = 0 if store_built else shape_store.host_bytes()
+    # An explicit engine.resident_layers holds on the lean paths too, out of their budget; 'auto' is 0 there.
+    lean_resident = 0 if e.resident_layers == "auto" else resolve_resident_layers(e.resident_layers, budget, **args)
+    lean_budget = budget if budget is None or not lean_resident else \
+        budget - resident_device_bytes(shape_store, lean_resident, torch.finfo(dtype).bits // 8)
     lean_args = dict(seq_len=t.seq_len, micro_batch_size=t.micro_batch_size, grad_accum=t.grad_accum, dtype=dtype,
-                     device_type=device.type, device_budget=budget, grad_slabs=e.grad_slabs,
+                     device_type=device.type, device_budget=lean_budget, grad_slabs=e.grad_slabs,
                      layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens, store_bytes_to_come=to_come)
     host = [] if store_built else None  # None: checked below
     limit = None if store_built else effective_host_limit()
@@ -126,45 +133,49 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
         if problem:
             raise ValueError(problem)
         lean = plan_for_training(adapter, **lean_args, min_seq_len=e.long_context_min_seq)
-        plan = _lean_host_plan(args, lean)
+        plan = _lean_host_plan(args, lean, lean_resident)
         path = (f"path: long-context engine (train.seq_len {t.seq_len} >= {e.long_context_min_seq}): checkpoint "
                 f"interval {lean.checkpoint_interval}, {_mlp(lean)}, {lean.offloaded_checkpoints} of "
-                f"{lean.num_checkpoints} checkpoints offloaded to host memory, no kept activations")
+                f"{lean.num_checkpoints} checkpoints offloaded to host memory, no kept activations"
+                f"{_resident(lean_resident)}")
         problems = _named(host_problems(plan), limit) if host is None else host
         if not lean.fits:
             problems.append(f"long context: {refusal(lean)}. Use a shorter train.seq_len, a smaller "
                             f"train.micro_batch_size or train.grad_accum, or a larger engine.max_gpu_mem; "
                             f"`megatrain train RECIPE --dry-run` shows the plan.")
-        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems,
-                        **checked)
+        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, lean_resident,
+                        path, problems, **checked)
 
-    keep = resolve_keep_blocks(e.keep_activations, budget, **args)
-    plan = make_plan(**args, keep_blocks=keep)
-    if e.keep_activations == "auto" and budget is None and device.type == "cuda":
-        plan.notes.append("keep_activations 'auto' is decided on the GPU from its memory (0 assumed here)")
+    resident = resolve_resident_layers(e.resident_layers, budget, **args)
+    keep = resolve_keep_blocks(e.keep_activations, budget, **args, resident_layers=resident)
+    plan = make_plan(**args, keep_blocks=keep, resident_layers=resident)
+    autos = [k for k in ("keep_activations", "resident_layers") if getattr(e, k) == "auto"]
+    if autos and budget is None and device.type == "cuda":
+        plan.notes.append(f"{' and '.join(autos)} 'auto' decided on the GPU from its memory (0 assumed here)")
     too_big = device_problem(plan, device=device, device_budget=budget) if budget is not None else ""
     problems = _named(host_problems(plan), limit) if host is None else host
     if too_big and e.memory_fallback and not problems and not _packed_rows_problem(r):
         lean = plan_memory_lean(adapter, **lean_args)
         short_total = plan.device_total
-        plan = _lean_host_plan(args, lean)
+        plan = _lean_host_plan(args, lean, lean_resident)
         path = (f"path: memory-lean engine (the short-context plan needs about {fmt_bytes(short_total)} of the "
-                f"{fmt_bytes(lean.budget)} device budget): {lean.summary()}, no kept activations")
+                f"{fmt_bytes(lean.budget)} device budget): {lean.summary()}, no kept activations"
+                f"{_resident(lean_resident)}")
         if not lean.fits:
             problems.append(f"device memory: the short-context plan needs about {fmt_bytes(short_total)} of the "
                             f"{fmt_bytes(lean.budget)} budget, and the memory-lean plan does not fit either: "
                             f"{refusal(lean)}. Use a smaller train.micro_batch_size, train.grad_accum or "
                             f"train.seq_len, or a larger engine.max_gpu_mem; `megatrain train RECIPE --dry-run` "
                             f"shows both plans.")
-        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, path, problems,
-                        **checked)
+        return StepPlan(plan, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, lean_resident,
+                        path, problems, **checked)
     if too_big:
         problems.append(too_big)
     threshold = "never" if e.long_context_min_seq is None else e.long_context_min_seq
     path = (f"path: short-context engine (train.seq_len {t.seq_len} < {threshold}; checkpoint interval "
-            f"{e.checkpoint_interval})")
+            f"{e.checkpoint_interval}{_resident(resident)})")
     kept = kept_block_ids(len(blocks(adapter.num_layers, e.checkpoint_interval)), keep)
-    return StepPlan(plan, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, path, problems, **checked)
+    return StepPlan(plan, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, resident, path, problems, **checked)
 
 
 def _named(problems: list[str], limit: HostLimit) -> list[str]:
@@ -173,11 +184,15 @@ def _named(problems: list[str], limit: HostLimit) -> list[str]:
     return [f"{p} The smallest host limit: {limit.describe()}." for p in problems]
 
 
-def _lean_host_plan(args: dict, lean: LeanPlan) -> MemoryPlan:
+def _resident(n: int) -> str:
+    return f"; first {n} layers resident on the device" if n else ""
+
+
+def _lean_host_plan(args: dict, lean: LeanPlan, resident: int = 0) -> MemoryPlan:
     """The memory plan whose host figures stand on a lean path; its device figures are the short-context
-    engine's, which the lean plan replaces (said in its notes)."""
+    engine's, which the lean plan replaces (said in its notes; the lean budget left the resident layers out)."""
     plan = make_plan(**{**args, "checkpoint_interval": lean.checkpoint_interval,
-                        "loss_chunk_tokens": lean.loss_chunk_tokens}, keep_blocks=0)
+                        "loss_chunk_tokens": lean.loss_chunk_tokens}, keep_blocks=0, resident_layers=resident)
     plan.notes.append(f"{lean.label} path: the device figures above are the short-context engine's; the "
                       f"{lean.label} plan replaces them")
     return plan

@@ -30,7 +30,7 @@ from functools import partial
 import torch
 
 from megatrain_cli.engine.transfer.reference import GradSink
-from megatrain_cli.engine.transfer.slots import Slot, StreamerBase, TransferStats, WholeTiles
+from megatrain_cli.engine.transfer.slots import Slot, StreamerBase, TransferStats, WholeTiles, transfer_chunk
 from megatrain_cli.machine import limit_this_thread
 from megatrain_cli.store.tiles import HostStore
 
@@ -48,8 +48,8 @@ class CudaStreamer(StreamerBase):
         super().__init__(store, device, dtype, place, layer_slots=layer_slots, before_read=before_read,
                          events=True)  # the slots get their Weights-Ready / Buffer-Free events
         self.double_buffer = double_buffer
-        # Two pinned staging buffers: the packer fills one while the other is in flight.
-        self.staging_numel = staging_numel or place.largest_layer()
+        # Two pinned staging buffers of one chunk each: the packer fills one while the other is in flight.
+        self.staging_numel = staging_numel or transfer_chunk(place.largest_layer())
         self.staging = self._pinned_staging(self.staging_numel)
         self.chunk_numel = self.staging_numel  # elements per _copy_chunk
         self.staging_done = [torch.cuda.Event() for _ in range(2)]
@@ -143,6 +143,11 @@ class CudaStreamer(StreamerBase):
             return  # would evict the tile in use
         self._start(nxt, slot)
 
+    def prefetch_first(self) -> None:
+        """The step's first tile in fetch order starts now, behind the inputs' host work (the packer casts
+        it while the embedding rows are gathered) instead of at its acquire."""
+        self._prefetch_next("")
+
     # ------------------------------------------------------------ compute side
     def acquire(self, tile: str) -> torch.Tensor:
         try:  # where we are in the step's fetch order (tiles outside it, e.g. a tied embedding, are not)
@@ -196,7 +201,7 @@ class CudaGradSink(GradSink):
         # A new thread starts on device 0: the lander selects `device` first when asked (one rank per GPU).
         self._lander_sets_device = lander_sets_device
         self.grad_dtype = store.compute_dtype
-        self.slab_numel = slab_numel or store.largest_layer_numel()
+        self.slab_numel = slab_numel or transfer_chunk(store.largest_layer_numel())
         self.slabs = [torch.empty(self.slab_numel, dtype=self.grad_dtype, pin_memory=True) for _ in range(slabs)]
         self._free: queue.Queue[int] = queue.Queue()
         for i in range(slabs):

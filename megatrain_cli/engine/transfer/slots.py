@@ -20,6 +20,16 @@ from typing import Any
 
 import torch
 
+# Elements per H2D chunk through pinned staging and per pinned gradient slab: sized to what moves at once,
+# not to the largest layer, whose billions of parameters (an MoE layer: gpt-oss-120b's is 3.2 B) would pin
+# GBs per buffer. 256 MB of bf16 per copy still runs the link at its ceiling.
+TRANSFER_CHUNK = 1 << 27
+
+
+def transfer_chunk(largest: int) -> int:
+    """Elements of one staging buffer / gradient slab for a store whose largest layer has `largest`."""
+    return min(largest, TRANSFER_CHUNK)
+
 
 @dataclass(eq=False)  # identity semantics: a slot is one buffer
 class Slot:
@@ -169,6 +179,9 @@ class StreamerBase:
         if update is None and self.before_read is not None:
             self.before_read(tile)
         return update
+
+    def prefetch_first(self) -> None:
+        """Start the step's first transfer before anything acquires it (the overlapped path; here none)."""
 
     def device_bytes(self) -> int:
         return self.slots.device_bytes()

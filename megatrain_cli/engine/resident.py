@@ -1,0 +1,127 @@
+"""Layers whose optimizer state lives on the device (engine.resident_layers).
+
+For the first N decoder layers the engine keeps, on the device, the master weights, both Adam moments,
+the compute-dtype weights the layers run with and the gradient, and runs AdamW there once the step's
+clip coefficient is known. What it saves per step and layer: every transfer (H2D in the forward and
+again in the backward, the gradient's D2H), the packer's host casts and the host AdamW pass over the
+layer's parameters, which is what a host-bound step (a clipped step, or an MoE layer with ten times the
+parameters of a dense one for the same compute) waits for. What it costs: device memory, per parameter
+the master and moments (12 bytes with fp32 masters), the weights and the gradient (2 + 2 in bf16), which
+the planner takes from the budget that kept activations would otherwise use.
+
+The first layers are the ones kept: the next forward reads them first, so the host has their compute
+time to finish the streamed layers' updates; in the backward they come last, after every streamed
+gradient has left. The update is the host kernel's arithmetic (torch's fused AdamW, the gradient rounded
+to the compute dtype as the streamed path's D2H rounds it, the same decay ranges and clip), so a run's
+result does not depend on which layers are resident beyond the device's own fp32 rounding.
+
+The host tiles stay the state's home between runs: `load` copies them in before the first step (after
+any resume), `store_home` copies the device state back where the engine promises current host masters
+(Engine.synchronize: checkpoints, export, eval, validation): master and moments cross into pageable
+memory, seconds for tens of GB, so only there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.tiles import HostStore
+
+CAST_CHUNK = 1 << 24  # elements widened to fp32 per fused call (64 MiB of device scratch)
+
+
+@dataclass
+class _State:
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    weights: torch.Tensor  # compute dtype: what the layer runs with
+    grad: torch.Tensor  # the host tile's gradient dtype
+    step: int
+
+
+def resident_bytes_per_param(master_width: int, compute_width: int, grad_width: int) -> int:
+    """Device bytes one resident parameter holds: master, two fp32 moments, weights, gradient."""
+    return master_width + 8 + compute_width + grad_width
+
+
+class ResidentLayers:
+    def __init__(self, store: HostStore, names: list[str], device: torch.device, dtype: torch.dtype,
+                 train: TrainConfig):
+        self.store, self.device, self.dtype = store, device, dtype
+        self.names = tuple(names)
+        self._names = frozenset(names)
+        self.beta1, self.beta2 = float(train.betas[0]), float(train.betas[1])
+        self.eps, self.weight_decay = train.eps, train.weight_decay
+        self._state: dict[str, _State] = {}
+        self._scratch: torch.Tensor | None = None
+
+    def __contains__(self, tile: str) -> bool:
+        return tile in self._names
+
+    @property
+    def loaded(self) -> bool:
+        return bool(self._state)
+
+    def load(self) -> None:
+        """Host tiles -> device (every resident tile's master, moments and step; its weights cast)."""
+        for name in self.names:
+            t = self.store.tiles[name]
+            master = t.master.to(self.device, copy=True)
+            weights = torch.empty(master.numel(), dtype=self.dtype, device=self.device)
+            weights.copy_(master)
+            self._state[name] = _State(master, t.exp_avg.to(self.device, copy=True),
+                                       t.exp_avg_sq.to(self.device, copy=True), weights,
+                                       torch.zeros(master.numel(), dtype=t.grad.dtype, device=self.device), t.step)
+
+    def store_home(self) -> None:
+        """Device -> host tiles (master, moments, step): after it the host holds the current state."""
+        for name, s in self._state.items():
+            t = self.store.tiles[name]
+            t.master.copy_(s.master)
+            t.exp_avg.copy_(s.exp_avg)
+            t.exp_avg_sq.copy_(s.exp_avg_sq)
+            t.step = s.step
+
+    def weights(self, tile: str) -> torch.Tensor:
+        return self._state[tile].weights
+
+    def set_grad(self, tile: str, grad: torch.Tensor) -> None:
+        """The tile's finished fp32 gradient, rounded to the gradient dtype (as the D2H path rounds it)."""
+        self._state[tile].grad.copy_(grad)
+
+    def device_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for s in self._state.values()
+                   for x in (s.master, s.exp_avg, s.exp_avg_sq, s.weights, s.grad))
+
+    def _widened(self, x: torch.Tensor, lo: int, hi: int, which: int) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return x[lo:hi]
+        if self._scratch is None:
+            self._scratch = torch.empty(2, CAST_CHUNK, dtype=torch.float32, device=self.device)
+        out = self._scratch[which, :hi - lo]
+        out.copy_(x[lo:hi])
+        return out
+
+    def update(self, lr: float, clip: float) -> None:
+        """One AdamW step of every resident tile with this lr and clip coefficient (queued on the device's
+        current stream on CUDA: the next forward's reads follow it there; no host wait)."""
+        scale = None if clip == 1.0 else torch.tensor(1.0 / clip, device=self.device)
+        for name, s in self._state.items():
+            s.step += 1
+            step = torch.tensor(float(s.step), device=self.device)
+            decay = self.store.layouts[name].decay_numel
+            for start, end, wd in ((0, decay, self.weight_decay), (decay, s.master.numel(), 0.0)):
+                for lo in range(start, end, CAST_CHUNK):
+                    hi = min(end, lo + CAST_CHUNK)
+                    p = self._widened(s.master, lo, hi, 0)
+                    torch._fused_adamw_(
+                        [p], [self._widened(s.grad, lo, hi, 1)], [s.exp_avg[lo:hi]], [s.exp_avg_sq[lo:hi]], [],
+                        [step], amsgrad=False, lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
+                        eps=self.eps, maximize=False, grad_scale=scale, found_inf=None)
+                    if s.master.dtype != torch.float32:
+                        s.master[lo:hi].copy_(p)  # a narrower master (bf16): rounded to nearest even
+            s.weights.copy_(s.master)
