@@ -225,6 +225,20 @@ def _bench_ranks(r, run, gpus: Optional[int], *, as_json: bool, output: Optional
     raise typer.Exit(0)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, epilog=RECIPE_KEYS)
+def plan(ctx: typer.Context, recipe: Path = typer.Argument(..., help="Recipe YAML, then key=value overrides."),
+         reprobe: bool = typer.Option(False, "--reprobe", help="Measure this machine again (else the cached probe)."),
+         probe_cache: Optional[Path] = typer.Option(None, help="Probe cache folder (default ~/.cache/megatrain/probe)."),
+         debug: bool = _debug_option()) -> None:
+    """The fastest plan for RECIPE on this machine (checkpoint interval, kept blocks, resident layers) by a model
+    over measured figures (docs/planner.md), and the runners-up. Exit codes: 0 a plan fits, 2 bad input, 3 none fits."""
+    from megatrain_cli.plan_cmd import run_plan
+
+    with _answered(debug):
+        code = run_plan(load_recipe(recipe, list(ctx.args)), reprobe=reprobe, cache_dir=probe_cache)
+    raise typer.Exit(code)
+
+
 @app.command("eval")
 def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory, a checkpoint's final/, or "
                                        "preset:NAME (random-init weights of a bench preset, e.g. preset:7b, to "

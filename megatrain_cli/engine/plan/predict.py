@@ -1,0 +1,329 @@
+"""The planner's model: from the probe's figures (probe.py) and a candidate plan, a predicted step time.
+
+A step is three phases run back to back, plus what nothing overlaps. Inside a phase the GPU, the PCIe
+link and the host work at once (engine/transfer/cuda.py: three streams, a packer thread; optim/worker.py:
+host AdamW in its own thread), so a phase lasts as long as its slowest resource:
+
+    forward   each streamed layer: max(GPU forward, the packer's work on it, its H2D); a resident layer:
+              its GPU forward. After a clipped step the packer applies the tile's deferred weights update
+              as it streams it (update on read: 20 B/param of host traffic instead of the 6 of a cast):
+              the host update must finish before the forward reads the tile.
+    head      max(GPU head, the head tile's packer work, its H2D)
+    backward  max(GPU recompute + backward (+ the resident layers' device AdamW), PCIe re-streams and
+              gradient D2H (each way at the duplex rate), host: re-stream casts, gradient landing and the
+              AdamW work of this phase: the deferred moments pass after a clipped step, the whole update
+              of each tile as it lands when the step is not clipped (speculation))
+    serial    the embedding's update before the next forward gathers its rows; without the optimizer
+              thread (overlap_optimizer off, or on the CPU) every update, after the backward
+
+GPU times come from ONE probed layer (forward, backward per micro-batch) times layers x micro-batches; the
+head from the layer's achieved FLOP rate over the head's 6 x vocab x hidden x tokens. PCIe: weights cross
+at the compute dtype's width per parameter per transfer (schedule.transfers_per_layer: forward, recompute,
+and again for a backward whose weights left the slots), gradients once. Host work is bytes per parameter
+over the host bandwidth the AdamW pass reached in the probe (while the DMA engines were busy where they are
+in the phase). docs/planner.md lists what the model leaves out.
+
+Resident layers (engine.resident_layers, N; engine/resident.py): their master, moments, weights and gradient
+live on the GPU and are updated there: no H2D, no D2H, no host work. They are the FIRST N layers
+(`resident_ids`), as the engine keeps them.
+
+`choose` enumerates candidates (checkpoint interval, kept blocks, resident layers) and asks the one planner
+(step_plan.plan_step) whether each fits, on a copy of the recipe: the planner stays a black box.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures
+from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
+from megatrain_cli.store.tiles import HostStore
+
+GiB = 2**30
+# Host memory traffic per parameter of each host pass (optim/adamw_cpp.py, engine/transfer/cuda.py).
+CAST_B = 6  # the packer's cast: read fp32, write bf16
+EMIT_B = 20  # update on read: read p, m, v, g; write p and the bf16 weights
+WEIGHTS_B = 18  # the worker's deferred weights pass (read p, m, v, g; write p)
+MOMENTS_B = 18  # its moments pass (read m, v, g; write m, v)
+UPDATE_B = 26  # the whole update in one pass
+LAND_B = 4  # the gradient lander: read the pinned slab, write the tile's gradient (bf16)
+RESIDENT_UPDATE_B = 36  # device traffic of their AdamW: p, m, v read + written, the gradient widened through fp32
+# scratch (read 2, write 4, read 4), the bf16 weights written
+HEADROOM = 0.88  # as memory.choose_keep_blocks: room for the allocator's fragmentation and workspaces
+
+
+@dataclass(frozen=True)
+class Candidate:
+    checkpoint_interval: int
+    keep_blocks: int = 0
+    resident_layers: int = 0
+    path: str = "short"  # 'short' or the lean plan's ('long-context', 'memory-lean'): interval 1, offloads
+    offloaded_checkpoints: int = 0
+
+
+@dataclass
+class ModelFigures:
+    num_layers: int
+    layer_params: float  # mean over the layers
+    head_params: int  # the head tile (final norm + LM head, or only the norm when tied)
+    embed_params: int
+    lm_head_params: int  # vocab x hidden: what the head multiplies by, tied or not
+    hidden: int
+    width: int  # bytes per weight of the compute dtype (what crosses PCIe)
+
+    @classmethod
+    def of(cls, adapter, dtype: torch.dtype) -> "ModelFigures":
+        store = HostStore(adapter, dtype, allocate=False)
+        layers = sum(store.layouts[n].numel for n in store.layer_names)
+        return cls(adapter.num_layers, layers / adapter.num_layers, store.layouts["head"].numel,
+                   store.layouts["embed"].numel, adapter.vocab_size * adapter.hidden_size, adapter.hidden_size,
+                   torch.finfo(dtype).bits // 8)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    micro_batch_size: int
+    seq_len: int
+    grad_accum: int = 1
+    layer_slots: int = 2
+    clipped: bool = True  # predict a step after a clipped one (deferred updates); False: speculation hits
+    update_on_read: bool = True
+    overlap_optimizer: bool = True
+    device: str = "cuda"
+
+
+@dataclass
+class Prediction:
+    candidate: Candidate
+    total: float | None  # seconds per step; None when a part is unknown
+    phases: dict = field(default_factory=dict)  # forward, head, backward, serial
+    parts: dict = field(default_factory=dict)  # gpu, pcie, host: each resource's busy seconds
+    unknown: list = field(default_factory=list)  # what the probe could not measure here
+    device_bytes: int = 0
+    fits: bool = True
+    problems: list = field(default_factory=list)
+
+    @property
+    def lower_bound(self) -> float:
+        """The total over the known parts (the table's '>=' when some are unknown)."""
+        return sum(v for v in self.phases.values() if v is not None)
+
+
+def resident_ids(num_layers: int, resident: int) -> frozenset[int]:
+    return frozenset(range(min(max(0, resident), num_layers)))
+
+
+def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures, shape: StepShape,
+            cand: Candidate) -> Prediction:
+    """The predicted step of `cand` (module doc). Unknown probe figures make the parts that need them None."""
+    L, P, A, w = model.num_layers, model.layer_params, shape.grad_accum, model.width
+    cuda = shape.device == "cuda"
+    R = min(cand.resident_layers, L) if cuda else 0
+    interval = 1 if cand.path != "short" else cand.checkpoint_interval
+    bl = blocks(L, interval)
+    kept = frozenset(range(len(bl) - cand.keep_blocks, len(bl))) if cand.path == "short" else frozenset()
+    recomputed = sum(len(b) for i, b in enumerate(bl) if i not in kept)
+    res = resident_ids(L, R)
+    counts = transfers_per_layer(build_schedule(L, interval, kept), shape.layer_slots)
+    streamed = [i for i in range(L) if i not in res]
+    S = len(streamed)
+    fwd_transfers = S  # every streamed layer crosses once for the forward
+    bwd_transfers = sum(counts.get(f"layers.{i}", 1) for i in streamed) - fwd_transfers
+    unknown = [] if not cuda else fig.unknown()
+    if layer is None:
+        unknown.append("layer timing")
+
+    # ---- GPU
+    f = layer.forward_s * A if layer else None  # one layer, all micro-batches
+    b = layer.backward_s * A if layer else None
+    tokens = shape.micro_batch_size * shape.seq_len * A
+    head_flops = 6.0 * model.lm_head_params * tokens
+    rate = None  # FLOP/s the probed layer reached (the head is matmul-bound as the layer is)
+    if layer and layer.forward_s + layer.backward_s > 0:
+        rate = 6.0 * P * layer.tokens / (layer.forward_s + layer.backward_s)
+    elif fig.gemm_tflops and cuda:
+        rate = fig.gemm_tflops * 1e12
+    gpu_head = head_flops / rate if rate else None
+    gpu_resident = (R * P * RESIDENT_UPDATE_B / (fig.device_gbps * 1e9) if R and fig.device_gbps else
+                    0.0 if not R else None)
+    gpu_bwd = None if f is None or b is None or gpu_resident is None else recomputed * f + L * b + gpu_resident
+
+    # ---- PCIe
+    link = {k: getattr(fig, k) for k in ("h2d_gbps", "d2h_gbps", "duplex_gbps")}
+    if cuda and all(link.values()):
+        h2d_layer = P * w / (link["h2d_gbps"] * 1e9)
+        ckpt = shape.micro_batch_size * shape.seq_len * model.hidden * w * A * cand.offloaded_checkpoints
+        fwd_pcie = S * h2d_layer + ckpt / (link["d2h_gbps"] * 1e9)
+        bwd_pcie = max(bwd_transfers * P * w + ckpt, S * P * w) / (link["duplex_gbps"] * 1e9)
+        head_h2d = model.head_params * w / (link["h2d_gbps"] * 1e9)
+    elif cuda:
+        h2d_layer = fwd_pcie = bwd_pcie = head_h2d = None
+    else:  # the CPU engine copies on the host: the casts below are its transfers
+        h2d_layer, fwd_pcie, bwd_pcie, head_h2d = 0.0, 0.0, 0.0, 0.0
+
+    # ---- host: the AdamW pass's bandwidth, lower the busier the DMA engines are in the phase (the probe's
+    # figures alone and under both DMA directions, interpolated by the link's share of the phase)
+    def busy(link_s, gpu_s) -> float:
+        if not cuda:
+            return 0.0
+        if link_s is None or gpu_s is None:
+            return 1.0  # unknown: the probe's contended figure
+        return link_s / max(link_s, gpu_s, 1e-12)
+
+    u_fwd = busy(h2d_layer, f)
+    u_bwd = busy(bwd_pcie, gpu_bwd)
+    alone = fig.host_gbps_at(0.0) * 1e9
+
+    def host(params: float, nbytes: float, u: float) -> float:
+        return params * nbytes / (fig.host_gbps_at(u) * 1e9)
+
+    def cast_s(u: float) -> float:  # one streamed layer's cast, slowed as the AdamW pass is
+        return P / (fig.cast_elems_per_s * fig.host_gbps_at(u) * 1e9 / alone) if alone else 0.0
+
+    worker = shape.overlap_optimizer and cuda
+    if worker and shape.clipped and shape.update_on_read:
+        emit = fig.emit_at(u_fwd)
+        prep = P / emit if emit else host(P, EMIT_B, u_fwd)
+    elif worker and shape.clipped:
+        prep = host(P, WEIGHTS_B, u_fwd) + cast_s(u_fwd)
+    else:
+        prep = cast_s(u_fwd)
+
+    # ---- phases
+    forward = head_phase = backward = None
+    if f is not None and h2d_layer is not None:
+        if cuda:
+            forward = S * max(f, prep, h2d_layer) + R * f
+        else:  # the reference streamer casts synchronously, then the layer computes
+            forward = L * (f + prep)
+    head_prep = model.head_params * (prep / P)
+    if gpu_head is not None and head_h2d is not None:
+        head_phase = max(gpu_head, head_prep, head_h2d) if cuda else gpu_head + head_prep
+    bwd_host = bwd_transfers * cast_s(u_bwd) + host(S * P + model.head_params, LAND_B, u_bwd)
+    if worker:
+        bwd_host += (host(S * P + model.head_params + model.embed_params, MOMENTS_B, u_bwd) if shape.clipped
+                     else host(S * P + model.head_params, UPDATE_B, u_bwd))
+    if gpu_bwd is not None and bwd_pcie is not None:
+        backward = max(gpu_bwd, bwd_pcie, bwd_host) if cuda else gpu_bwd + bwd_host
+    if worker:  # the embedding's update: its rows are gathered on the host before the next forward starts
+        serial = host(model.embed_params, WEIGHTS_B if shape.clipped else UPDATE_B, 0.0)
+    else:  # every update after the backward, nothing to overlap it
+        serial = host(S * P + model.head_params + model.embed_params, UPDATE_B, 0.0)
+
+    phases = {"forward": forward, "head": head_phase, "backward": backward, "serial": serial}
+    gpu = None if f is None or gpu_head is None or gpu_bwd is None else L * f + gpu_head + gpu_bwd
+    pcie = None if fwd_pcie is None else fwd_pcie + bwd_pcie + (head_h2d or 0.0)
+    host_work = S * prep + head_prep + bwd_host + serial
+    total = None if any(v is None for v in phases.values()) else sum(phases.values())
+    return Prediction(cand, total, phases, {"gpu": gpu, "pcie": pcie, "host": host_work}, unknown)
+
+
+# ------------------------------------------------------------------ candidates, through the one planner
+def _variant(r, **engine):
+    return dataclasses.replace(r, engine=dataclasses.replace(r.engine, **engine))
+
+
+def shape_of(r, device: torch.device, *, clipped: bool = True) -> StepShape:
+    t, e = r.train, r.engine
+    return StepShape(t.micro_batch_size, t.seq_len, t.grad_accum, e.layer_slots, clipped=clipped and
+                     t.max_grad_norm is not None, update_on_read=e.update_on_read and e.defer_moments,
+                     overlap_optimizer=e.overlap_optimizer, device=device.type)
+
+
+def _planned(r, adapter, device, cand_engine: dict, budget):
+    """(Candidate, device bytes, problems) of one recipe variant, from plan_step (the black box)."""
+    from megatrain_cli.engine.plan.step_plan import plan_step
+
+    variant = _variant(r, **cand_engine)
+    try:
+        plan = plan_step(variant, adapter, device)
+    except ValueError as err:  # a recipe no plan serves (e.g. packed rows too long for the mask)
+        return None, 0, [str(err)]
+    R = plan.resident_layers if device.type == "cuda" else 0
+    lean = plan.lean
+    dev = lean.predicted_peak if lean is not None else plan.memory.device_total
+    problems = list(plan.problems)
+    if budget and dev > HEADROOM * budget and not problems:
+        problems.append(f"device memory: about {dev / GiB:.1f} GiB of the {budget / GiB:.1f} GiB budget "
+                        f"(over {HEADROOM:.0%}, the headroom the planner keeps for 'auto')")
+    path = "short" if lean is None else lean.label
+    cand = Candidate(plan.checkpoint_interval, len(plan.keep_blocks), R, path,
+                     lean.offloaded_checkpoints if lean is not None else 0)
+    return cand, dev, problems
+
+
+def resident_options(r, num_layers: int, device: torch.device) -> list[int]:
+    """0, powers of two and all layers (CUDA; on the CPU 0 only: the device is the host)."""
+    if device.type != "cuda":
+        return [0]
+    opts = {0, num_layers}
+    k = 1
+    while k < num_layers:
+        opts.add(k)
+        k *= 2
+    return sorted(opts)
+
+
+def interval_options(r, num_layers: int) -> list[int]:
+    return sorted({c for c in (1, 2, 3, 4, 6, 8) if c <= num_layers} | {r.engine.checkpoint_interval})
+
+
+def choose(r, adapter, device: torch.device, fig: MachineFigures, layer: LayerTiming | None, *,
+           resident: list[int] | None = None, intervals: list[int] | None = None, clipped: bool = True
+           ) -> list[Prediction]:
+    """Every candidate's prediction, the feasible ones first, fastest first (ties: less device memory).
+    Kept blocks grow until the planner says no (device memory only grows with them). The recipe as written
+    (its own fallback and long-context choices included) is always among them."""
+    from megatrain_cli.engine.plan.step_plan import device_budget
+
+    model = ModelFigures.of(adapter, torch.bfloat16 if r.model.dtype == "bf16" else torch.float32)
+    shape = shape_of(r, device, clipped=clipped)
+    budget = device_budget(r, device)
+    resident = resident if resident is not None else resident_options(r, model.num_layers, device)
+    seen: dict[Candidate, Prediction] = {}
+
+    def add(engine: dict) -> bool:
+        cand, dev, problems = _planned(r, adapter, device, engine, budget)
+        if cand is None or cand in seen:
+            return cand is not None and seen[cand].fits
+        p = predict(fig, layer, model, shape, cand)
+        p.device_bytes, p.problems, p.fits = dev, problems, not problems
+        seen[cand] = p
+        return p.fits
+
+    add({})  # the recipe as written
+    if device.type == "cuda":
+        add({"resident_layers": "auto"})  # as many as fit, kept activations after them
+    long = r.engine.long_context_min_seq is not None and r.train.seq_len >= r.engine.long_context_min_seq
+    for R in resident:
+        add({"resident_layers": R})  # the recipe's own interval, kept blocks, fallback and path
+        if long:
+            continue
+        for C in intervals or interval_options(r, model.num_layers):
+            for K in range(len(blocks(model.num_layers, C)) + 1):
+                if not add({"resident_layers": R, "checkpoint_interval": C, "keep_activations": K,
+                            "memory_fallback": False}):
+                    break
+    return sorted(seen.values(), key=lambda p: (not p.fits, p.total is None,
+                                               p.total if p.total is not None else p.lower_bound, p.device_bytes))
+
+
+def overrides(cand: Candidate, r) -> str:
+    """The key=value overrides that select `cand` on `megatrain train`."""
+    if cand.path != "short":
+        keys = []
+    else:
+        keys = [f"engine.checkpoint_interval={cand.checkpoint_interval}", f"engine.keep_activations={cand.keep_blocks}"]
+    keys.append(f"engine.resident_layers={cand.resident_layers}")
+    return " ".join(keys) or "(the recipe as it is)"
+
+
+def fmt_s(v: float | None) -> str:
+    return "?" if v is None else f"{v:.3f}" if v < 10 else f"{v:.1f}"
+
+
+def interval_label(c: Candidate) -> str:
+    return str(c.checkpoint_interval) if c.path == "short" else f"1 ({c.path})"

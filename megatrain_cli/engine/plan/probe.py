@@ -1,0 +1,366 @@
+"""The planner's probe: a few seconds that MEASURE this machine, cached per machine.
+
+What predict.py needs and nothing else:
+
+    link      pinned H2D and D2H bandwidth, and each way while both run at once (two streams)
+    host      HostAdamW.update over one tile (the engine's kernel: C++ where it compiles), params/s, alone
+              and while the DMA engines copy both ways (they share the host's memory bandwidth); the same
+              for update on read (the C++ weights pass casting into pinned staging, what the packer runs
+              after a clipped step); the packer's fp32 -> bf16 cast into pinned memory, elements/s
+    device    bf16 GEMM TFLOP/s (an N x N x N matmul) and device memory bandwidth (a device-to-device
+              copy: what an AdamW over resident layers is bound by)
+    layer     one decoder layer's forward (no autograd, as the engine's forward) and backward (forward
+              with autograd + backward, less the forward) at the recipe's micro-batch x sequence, per
+              micro-batch, built from the adapter's template with random weights on the device; a model
+              whose layers differ in structure (sliding / full attention) times one of each and averages
+              them by count
+
+On a machine without CUDA the link and device figures are None (unknown) and the layer is timed only when
+the recipe computes on the CPU. The cache is one JSON file per machine (`cache_key`: host name, GPU name,
+torch version) under the user's cache directory; layer timings sit in it under their own key (model shape,
+tokens, dtype, device, kernels). `load_or_probe(..., reprobe=True)` measures again and replaces the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+CACHE_VERSION = 1
+# Bytes of host memory traffic per parameter of the measured HostAdamW.update (optim/adamw_cpp.py: the C++
+# pass reads p, m, v and a bf16 g and writes p, m, v; the torch path also widens g through fp32 scratch).
+UPDATE_BYTES = {"cpp": 26.0, "torch": 34.0}
+
+
+@dataclass
+class LayerTiming:
+    """Seconds per decoder layer per micro-batch (the mean over the model's layers)."""
+
+    forward_s: float
+    backward_s: float  # backward alone: the recompute's forward is forward_s again
+    tokens: int  # micro_batch_size x seq_len
+    device: str
+
+
+@dataclass
+class MachineFigures:
+    host: str
+    gpu: str | None  # None: no CUDA here, every device figure unknown
+    torch: str
+    h2d_gbps: float | None = None
+    d2h_gbps: float | None = None
+    duplex_gbps: float | None = None  # each way, H2D and D2H at once
+    adamw_params_per_s: float = 0.0
+    adamw_under_dma_params_per_s: float | None = None  # while both DMA directions run
+    adamw_kernel: str = "torch"
+    # update on read (HostAdamW.update_weights_span: the weights pass casting into pinned staging), the C++
+    # kernel only: the packer's work on a tile after a clipped step; None where the kernel is torch's
+    emit_params_per_s: float | None = None
+    emit_under_dma_params_per_s: float | None = None
+    cast_elems_per_s: float = 0.0  # fp32 -> bf16 into pinned (pageable without CUDA)
+    gemm_tflops: float | None = None
+    device_gbps: float | None = None  # device memory: bytes read + written per second by a D2D copy
+    measured_at: float = 0.0
+
+    @property
+    def host_gbps(self) -> float:
+        """Host memory bandwidth as the AdamW pass sees it (its bytes x its params/s)."""
+        return self.adamw_params_per_s * UPDATE_BYTES.get(self.adamw_kernel, 26.0) / 1e9
+
+    def host_gbps_at(self, link_busy: float) -> float:
+        """Host bandwidth with the DMA engines busy `link_busy` (0..1) of the time: between the probe's
+        figure alone and its figure under both DMA directions, linearly."""
+        return _between(self.adamw_params_per_s, self.adamw_under_dma_params_per_s, link_busy) * \
+            UPDATE_BYTES.get(self.adamw_kernel, 26.0) / 1e9
+
+    def emit_at(self, link_busy: float) -> float | None:
+        """Params/s of update on read with the DMA engines busy `link_busy` of the time (None: not measured)."""
+        return _between(self.emit_params_per_s, self.emit_under_dma_params_per_s, link_busy) \
+            if self.emit_params_per_s else None
+
+    def unknown(self) -> list[str]:
+        return [k for k in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "gemm_tflops", "device_gbps")
+                if getattr(self, k) is None]
+
+
+def _between(alone: float, under_dma: float | None, busy: float) -> float:
+    if not under_dma:
+        return alone
+    busy = min(1.0, max(0.0, busy))
+    return alone + (under_dma - alone) * busy
+
+
+@dataclass
+class Probe:
+    machine: MachineFigures
+    layer: LayerTiming | None = None  # None: not measured (a CUDA recipe planned on a machine without CUDA)
+    path: Path | None = None
+    measured: list = field(default_factory=list)  # what this call measured ('machine', 'layer'); [] = cached
+
+
+def default_cache_dir() -> Path:
+    """The user's cache directory (XDG convention, else ~/.cache), as the tokenisation cache."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatrain" / "probe"
+
+
+def cache_key() -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    return re.sub(r"[^A-Za-z0-9_.+-]+", "_", f"{socket.gethostname()}-{gpu}-torch{torch.__version__}")
+
+
+def layer_key(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+              kernels: str) -> str:
+    """The model's layer shapes (every distinct structure), its attention code and the step's shape: a layer
+    timing is reused only for the same work. Stable across processes (hashlib, not hash())."""
+    cfg = adapter.config
+    shapes = sorted({json.dumps([(s.name, s.shape) for s in adapter.layer_specs(i)]) for i in range(adapter.num_layers)})
+    what = json.dumps([adapter.model_type, getattr(cfg, "_attn_implementation", None), adapter.layer_types, shapes,
+                       getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)])
+    digest = hashlib.sha1(what.encode()).hexdigest()[:12]
+    return (f"{adapter.model_type}-{digest}-{micro_batch_size}x{seq_len}-{str(dtype).removeprefix('torch.')}-"
+            f"{device.type}-{kernels}")
+
+
+# ------------------------------------------------------------------ timing helpers
+def _timed(fn: Callable[[], object], *, reps: int, warmup: int = 1, cuda: bool = False) -> float:
+    """The median seconds of `fn` over `reps` runs after `warmup` (CUDA: synchronized around each)."""
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _host_tile(params: int):
+    """One layer-like tile of `params` parameters (bf16 gradients), filled so AdamW does real math."""
+    from megatrain_cli.store.tiles import ParamSpec, TileLayout, allocate_tile
+
+    cols = 4096
+    spec = ParamSpec("w", (max(1, params // cols), cols))
+    tile = allocate_tile("layers.0", TileLayout.from_specs([spec]), torch.bfloat16)
+    tile.master.normal_(0, 0.02)
+    tile.exp_avg.zero_()
+    tile.exp_avg_sq.fill_(1e-6)
+    tile.grad.normal_(0, 1e-3)
+    return tile
+
+
+class _Dma:
+    """Both DMA directions busy in a side thread until stopped (copies release the GIL): what the host's
+    memory looks like to AdamW while the engine streams."""
+
+    def __init__(self, nbytes: int):
+        self.host_in = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.host_out = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.dev_in = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.dev_out = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        self.streams = (torch.cuda.Stream(), torch.cuda.Stream())
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def both_once(self) -> None:
+        with torch.cuda.stream(self.streams[0]):
+            self.dev_in.copy_(self.host_in, non_blocking=True)
+        with torch.cuda.stream(self.streams[1]):
+            self.host_out.copy_(self.dev_out, non_blocking=True)
+        for s in self.streams:
+            s.synchronize()
+
+    def __enter__(self):
+        def loop():
+            while not self._stop.is_set():
+                self.both_once()
+        self._thread = threading.Thread(target=loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+# ------------------------------------------------------------------ the machine
+def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20, gemm_n: int = 8192,
+                    reps: int = 3, log: Callable[[str], None] | None = None) -> MachineFigures:
+    """Every machine figure (module doc). `tile_bytes`: the AdamW tile's host bytes (14 per parameter);
+    `link_bytes`: each DMA copy; `gemm_n`: the matmul's size. Smaller values make a faster, rougher probe."""
+    from megatrain_cli.optim.host_adamw import HostAdamW
+    from megatrain_cli.recipe import TrainConfig
+
+    cuda = torch.cuda.is_available()
+    fig = MachineFigures(host=socket.gethostname(), gpu=torch.cuda.get_device_name(0) if cuda else None,
+                         torch=torch.__version__, measured_at=time.time())
+    say = log or (lambda _m: None)
+
+    params = max(1 << 16, tile_bytes // 14)
+    tile = _host_tile(params)
+    opt = HostAdamW(TrainConfig(), kernel="auto")
+    fig.adamw_kernel = opt.kernel
+    say(f"probe: host AdamW ({opt.kernel}) over {tile.numel / 1e6:.0f} M params")
+    fig.adamw_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps)
+
+    src = tile.master
+    dst = torch.empty(src.numel(), dtype=torch.bfloat16, pin_memory=cuda)
+    emit = None
+    if opt.defer_moments:  # the C++ kernel: update on read exists
+        def _emit():
+            opt.update_weights_span(tile, 1e-5, 0.5, 0, tile.numel, dst)
+            opt.count_step(tile)
+        emit = _emit
+        fig.emit_params_per_s = tile.numel / _timed(emit, reps=reps)
+    say("probe: fp32 -> bf16 cast into pinned memory" if cuda else "probe: fp32 -> bf16 cast")
+    fig.cast_elems_per_s = src.numel() / _timed(lambda: dst.copy_(src), reps=reps)
+
+    if cuda:
+        say(f"probe: PCIe, {link_bytes >> 20} MiB copies")
+        dma = _Dma(link_bytes)
+        fig.h2d_gbps = link_bytes / _timed(lambda: dma.dev_in.copy_(dma.host_in, non_blocking=True), reps=reps,
+                                           cuda=True) / 1e9
+        fig.d2h_gbps = link_bytes / _timed(lambda: dma.host_out.copy_(dma.dev_out, non_blocking=True), reps=reps,
+                                           cuda=True) / 1e9
+        fig.duplex_gbps = link_bytes / _timed(dma.both_once, reps=reps, cuda=True) / 1e9
+        with dma:
+            fig.adamw_under_dma_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps)
+            if emit is not None:
+                fig.emit_under_dma_params_per_s = tile.numel / _timed(emit, reps=reps)
+        del dma
+        say(f"probe: bf16 GEMM {gemm_n}^3, device memory")
+        a = torch.randn(gemm_n, gemm_n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(gemm_n, gemm_n, device="cuda", dtype=torch.bfloat16)
+        fig.gemm_tflops = 2.0 * gemm_n ** 3 / _timed(lambda: a @ b, reps=reps, cuda=True) / 1e12
+        del a, b
+        x = torch.empty(link_bytes * 4, dtype=torch.uint8, device="cuda")
+        y = torch.empty_like(x)
+        fig.device_gbps = 2 * x.numel() / _timed(lambda: y.copy_(x), reps=reps, cuda=True) / 1e9
+        del x, y
+        torch.cuda.empty_cache()
+    return fig
+
+
+# ------------------------------------------------------------------ one decoder layer
+def _real_layer(adapter, index: int, device: torch.device, dtype: torch.dtype):
+    """Layer `index` built from the adapter's template with random weights on `device` (timing, not math)."""
+    layer = adapter.make_layer_template(index).to_empty(device=device)
+    std = adapter.init_std()
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0.0, std) if p.dim() >= 2 else p.fill_(1.0)
+    return layer.to(dtype).train()
+
+
+def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+                  kernels: str = "torch", reps: int = 3) -> LayerTiming:
+    """One decoder layer (one of each structure) at micro_batch_size x seq_len: forward without autograd
+    (the engine's forward), forward with autograd + backward; backward_s = the difference."""
+    cuda = device.type == "cuda"
+    b, t, h = micro_batch_size, seq_len, adapter.hidden_size
+    inputs = adapter.make_layer_inputs(device)
+    embeds = torch.randn(b, t, h, device=device, dtype=dtype)
+    call = inputs(embeds, torch.arange(t, device=device).expand(b, t))
+    groups: dict[str, list[int]] = {}
+    for i in range(adapter.num_layers):
+        groups.setdefault(json.dumps([adapter.layer_types[i], [(s.name, s.shape) for s in adapter.layer_specs(i)]]),
+                          []).append(i)
+    fwd_total = bwd_total = 0.0
+    for members in groups.values():
+        i = members[0]
+        layer = _real_layer(adapter, i, device, dtype)
+        if kernels == "triton":
+            from megatrain_cli.engine import kernel_patch
+
+            kernel_patch.install_kernels(layer)
+        kwargs = call.kwargs[i]
+        x = call.hidden.detach()
+
+        def first(out):
+            return out[0] if isinstance(out, (tuple, list)) else out
+
+        def forward():
+            with torch.no_grad():
+                first(layer(x, **kwargs))
+
+        def forward_backward():
+            xg = x.detach().requires_grad_()
+            y = first(layer(xg, **kwargs))
+            y.backward(torch.ones_like(y))
+
+        f = _timed(forward, reps=reps, cuda=cuda)
+        fb = _timed(forward_backward, reps=reps, cuda=cuda)
+        fwd_total += f * len(members)
+        bwd_total += max(0.0, fb - f) * len(members)
+        del layer
+    if cuda:
+        torch.cuda.empty_cache()
+    n = adapter.num_layers
+    return LayerTiming(forward_s=fwd_total / n, backward_s=bwd_total / n, tokens=b * t, device=device.type)
+
+
+# ------------------------------------------------------------------ the cache
+def _read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # missing, or damaged: measured again
+    return data if isinstance(data, dict) and data.get("version") == CACHE_VERSION else None
+
+
+def _write(path: Path, data: dict) -> None:
+    """Atomically (a half-written cache read by a second process would only be measured again, but a
+    rename costs nothing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def load_or_probe(adapter=None, *, micro_batch_size: int = 1, seq_len: int = 1, dtype: torch.dtype = torch.bfloat16,
+                  device: torch.device | None = None, kernels: str = "torch", cache_dir: Path | str | None = None,
+                  reprobe: bool = False, log: Callable[[str], None] | None = None,
+                  machine_args: dict | None = None) -> Probe:
+    """The cached figures of this machine (measured first when missing, or with `reprobe`), and, given an
+    adapter, its layer timing at micro_batch_size x seq_len on `device` (measured when missing; None for a
+    CUDA device on a machine without CUDA). `machine_args`: measure_machine's sizes (tests make them small)."""
+    path = Path(cache_dir or default_cache_dir()) / f"{cache_key()}.json"
+    data = None if reprobe else _read(path)
+    measured = []
+    if data is None:
+        data = {"version": CACHE_VERSION, "machine": asdict(measure_machine(log=log, **(machine_args or {}))),
+                "layers": {}}
+        measured.append("machine")
+    machine = MachineFigures(**{k: v for k, v in data["machine"].items() if k in MachineFigures.__dataclass_fields__})
+    layer = None
+    if adapter is not None:
+        device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        key = layer_key(adapter, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
+                        kernels=kernels)
+        cached = data["layers"].get(key)
+        if cached is not None:
+            layer = LayerTiming(**cached)
+        elif device.type != "cuda" or torch.cuda.is_available():
+            if log:
+                log(f"probe: one decoder layer at {micro_batch_size} x {seq_len} tokens on {device.type}")
+            layer = measure_layer(adapter, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
+                                  device=device, kernels=kernels)
+            data["layers"][key] = asdict(layer)
+            measured.append("layer")
+    if measured:
+        _write(path, data)
+    return Probe(machine, layer, path, measured)

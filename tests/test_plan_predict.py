@@ -1,0 +1,202 @@
+"""The measured planner (issue #22): the predictor's arithmetic on hand-made probe figures, the probe's cache,
+and `megatrain plan` on the tiny recipe. CPU only, except the two tests marked cuda (the probe's GPU parts):
+`python3 -m pytest -q -m cuda tests/test_plan_predict.py` on the GPU machine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatrain_cli.engine.plan import predict as pr
+from megatrain_cli.engine.plan import probe as pb
+from megatrain_cli.engine.plan.predict import Candidate, ModelFigures, StepShape, predict
+from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures
+from tests.helpers_bad_inputs import TINY, megatrain, refused
+
+FIG = MachineFigures(host="h", gpu="G", torch="t", h2d_gbps=50.0, d2h_gbps=50.0, duplex_gbps=40.0,
+                     adamw_params_per_s=5e9, adamw_under_dma_params_per_s=3e9, adamw_kernel="cpp",
+                     emit_params_per_s=6e9, emit_under_dma_params_per_s=4e9, cast_elems_per_s=10e9,
+                     gemm_tflops=800.0, device_gbps=4000.0)
+LAYER = LayerTiming(forward_s=0.030, backward_s=0.060, tokens=32768, device="cuda")
+MODEL = ModelFigures(num_layers=8, layer_params=2e8, head_params=int(5e8), embed_params=int(5e8),
+                     lm_head_params=int(5e8), hidden=4096, width=2)
+SHAPE = StepShape(micro_batch_size=8, seq_len=4096, grad_accum=2)
+SMALL = dict(tile_bytes=1 << 20, link_bytes=1 << 20, gemm_n=256, reps=1)  # a probe in well under a second
+
+
+def test_all_layers_resident_leaves_only_the_head_on_the_link():
+    streamed = predict(FIG, LAYER, MODEL, SHAPE, Candidate(4, 0, 0))
+    resident = predict(FIG, LAYER, MODEL, SHAPE, Candidate(4, 0, MODEL.num_layers))
+    head_h2d = MODEL.head_params * 2 / 50e9
+    assert resident.parts["pcie"] == pytest.approx(head_h2d)  # no layer crosses: only the head tile
+    assert streamed.parts["pcie"] > 10 * head_h2d
+    # no layer waits for the host or the link: the forward is the GPU's, all micro-batches
+    assert resident.phases["forward"] == pytest.approx(MODEL.num_layers * LAYER.forward_s * 2)
+    assert resident.parts["host"] < streamed.parts["host"] / 3
+    assert resident.total is not None and streamed.total is not None
+
+
+def test_doubling_the_link_halves_the_pcie_term():
+    fast = dataclasses.replace(FIG, h2d_gbps=100.0, d2h_gbps=100.0, duplex_gbps=80.0)
+    for cand in (Candidate(4, 0, 0), Candidate(2, 1, 3), Candidate(1, 0, 0, path="memory-lean", offloaded_checkpoints=5)):
+        slow_p, fast_p = predict(FIG, LAYER, MODEL, SHAPE, cand), predict(fast, LAYER, MODEL, SHAPE, cand)
+        assert fast_p.parts["pcie"] == pytest.approx(slow_p.parts["pcie"] / 2)
+
+
+def test_recompute_adds_the_forward_of_the_recomputed_layers():
+    # A GPU-bound step (host and link far faster than the compute): the backward is GPU time alone.
+    quick = dataclasses.replace(FIG, h2d_gbps=1e4, d2h_gbps=1e4, duplex_gbps=1e4, adamw_params_per_s=1e13,
+                                adamw_under_dma_params_per_s=1e13, emit_params_per_s=1e13,
+                                emit_under_dma_params_per_s=1e13, cast_elems_per_s=1e13)
+    blocks = 2  # 8 layers, interval 4
+    none_kept = predict(quick, LAYER, MODEL, SHAPE, Candidate(4, 0, 0))
+    one_kept = predict(quick, LAYER, MODEL, SHAPE, Candidate(4, 1, 0))
+    all_kept = predict(quick, LAYER, MODEL, SHAPE, Candidate(4, blocks, 0))
+    f = LAYER.forward_s * SHAPE.grad_accum
+    assert none_kept.phases["backward"] - all_kept.phases["backward"] == pytest.approx(8 * f)
+    assert one_kept.phases["backward"] - all_kept.phases["backward"] == pytest.approx(4 * f)
+    assert none_kept.parts["gpu"] - all_kept.parts["gpu"] == pytest.approx(8 * f)
+    assert none_kept.phases["forward"] == pytest.approx(all_kept.phases["forward"])
+
+
+def test_a_clipped_step_waits_for_the_host_update_in_the_forward():
+    slow_host = dataclasses.replace(FIG, emit_params_per_s=1e9, emit_under_dma_params_per_s=1e9)
+    clipped = predict(slow_host, LAYER, MODEL, SHAPE, Candidate(4, 0, 0))
+    free = predict(slow_host, LAYER, MODEL, dataclasses.replace(SHAPE, clipped=False), Candidate(4, 0, 0))
+    assert clipped.phases["forward"] == pytest.approx(MODEL.num_layers * MODEL.layer_params / 1e9)  # host-bound
+    assert free.phases["forward"] == pytest.approx(MODEL.num_layers * LAYER.forward_s * 2)  # GPU-bound
+
+
+def test_unknown_gpu_parts_leave_a_lower_bound():
+    cpu_machine = MachineFigures(host="h", gpu=None, torch="t", adamw_params_per_s=1e9, cast_elems_per_s=1e9)
+    p = predict(cpu_machine, None, MODEL, SHAPE, Candidate(4, 0, 0))
+    assert p.total is None and p.phases["forward"] is None and p.parts["gpu"] is None
+    assert "layer timing" in p.unknown and "h2d_gbps" in p.unknown
+    assert p.lower_bound > 0  # the host's share is known
+
+
+# ---------------------------------------------------------------- the probe's cache
+def _count_machine_probes(monkeypatch) -> list:
+    calls = []
+    real = pb.measure_machine
+
+    def counted(**kw):
+        calls.append(kw)
+        return real(**kw)
+
+    monkeypatch.setattr(pb, "measure_machine", counted)
+    return calls
+
+
+def test_probe_cache_is_written_reused_and_remeasured(tmp_path, monkeypatch):
+    calls = _count_machine_probes(monkeypatch)
+    first = pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL)
+    assert first.measured == ["machine"] and first.path.parent == tmp_path and first.path.is_file()
+    assert first.path.name == f"{pb.cache_key()}.json"
+    assert first.machine.adamw_params_per_s > 0 and first.machine.cast_elems_per_s > 0
+    if not torch.cuda.is_available():
+        assert first.machine.gpu is None and first.machine.h2d_gbps is None and "gemm_tflops" in first.machine.unknown()
+    again = pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL)
+    assert again.measured == [] and again.machine == first.machine and len(calls) == 1
+    fresh = pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL, reprobe=True)
+    assert fresh.measured == ["machine"] and len(calls) == 2
+    assert fresh.machine.measured_at >= first.machine.measured_at
+    assert pb.load_or_probe(cache_dir=tmp_path).machine == fresh.machine  # the re-measured figures were kept
+
+
+def test_a_damaged_cache_is_measured_again(tmp_path, monkeypatch):
+    calls = _count_machine_probes(monkeypatch)
+    (tmp_path / f"{pb.cache_key()}.json").write_text("{not json")
+    assert pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL).measured == ["machine"] and len(calls) == 1
+
+
+@pytest.fixture(scope="module")
+def tiny_adapter():
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.models.tokenizer import load_tokenizer
+    from megatrain_cli.recipe import load_recipe
+    from megatrain_cli.train.setup import model_config
+
+    r = load_recipe(TINY)
+    return ModelAdapter(model_config(r, load_tokenizer(r.model)))
+
+
+def test_layer_timing_is_cached_by_shape_and_tokens(tmp_path, tiny_adapter):
+    args = dict(micro_batch_size=2, seq_len=32, dtype=torch.float32, device=torch.device("cpu"), cache_dir=tmp_path,
+                machine_args=SMALL)
+    first = pb.load_or_probe(tiny_adapter, **args)
+    assert first.measured == ["machine", "layer"]
+    assert first.layer.tokens == 64 and first.layer.forward_s > 0 and first.layer.backward_s >= 0
+    assert pb.load_or_probe(tiny_adapter, **args).measured == []
+    longer = pb.load_or_probe(tiny_adapter, **{**args, "seq_len": 64})
+    assert longer.measured == ["layer"] and longer.layer.tokens == 128
+    # a CUDA recipe planned on a machine without CUDA: the layer stays unknown, nothing is measured
+    if not torch.cuda.is_available():
+        gpu = pb.load_or_probe(tiny_adapter, **{**args, "device": torch.device("cuda")})
+        assert gpu.layer is None and gpu.measured == []
+
+
+# ---------------------------------------------------------------- megatrain plan
+def test_plan_command_prints_the_choice_and_the_table(tmp_path):
+    pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL)  # the machine figures: cached, small and quick
+    result = megatrain("plan", TINY, "--probe-cache", tmp_path, "train.micro_batch_size=2", "train.seq_len=64")
+    out = result.output
+    assert result.exit_code == 0, out
+    assert "chosen plan: engine.checkpoint_interval=" in out and "predicted step:" in out
+    assert "interval" in out and "s/step" in out and "resident" in out and "dev GiB" in out
+    rows = [line for line in out.splitlines() if line.rstrip().endswith(("yes", "no"))]
+    assert len(rows) >= 2 and rows[0].startswith("*")
+    assert "one decoder layer, 128 tokens on cpu" in out  # the layer was timed at the recipe's shape
+    assert "Traceback" not in out
+
+
+@pytest.mark.parametrize("args,culprit", [
+    (["/no/such/recipe.yaml"], "recipe.yaml"),
+    ([TINY, "engine.checkpoint_interval=lots"], "engine.checkpoint_interval"),
+    ([TINY, "engine.no_such_key=1"], "no_such_key"),
+], ids=["missing-file", "bad-value", "unknown-key"])
+def test_plan_bad_recipe_is_one_message(tmp_path, args, culprit):
+    refused(megatrain("plan", *args, "--probe-cache", tmp_path), 2, culprit)
+
+
+def test_choose_ranks_feasible_first_and_includes_the_recipe(tiny_adapter):
+    from megatrain_cli.recipe import load_recipe
+
+    r = load_recipe(TINY, ["engine.device=cpu"])
+    fig = MachineFigures(host="h", gpu=None, torch="t", adamw_params_per_s=1e9, cast_elems_per_s=1e9)
+    layer = LayerTiming(forward_s=0.01, backward_s=0.02, tokens=2048, device="cpu")
+    preds = pr.choose(r, tiny_adapter, torch.device("cpu"), fig, layer)
+    totals = [p.total for p in preds if p.fits]
+    assert totals == sorted(totals) and len(totals) >= 2
+    assert any(p.candidate.checkpoint_interval == r.engine.checkpoint_interval for p in preds)
+    assert all(p.candidate.resident_layers == 0 for p in preds)  # no resident layers on the CPU
+
+
+# ---------------------------------------------------------------- on the GPU
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_probe_measures_the_device(tmp_path):
+    fig = pb.load_or_probe(cache_dir=tmp_path, machine_args=dict(link_bytes=64 << 20, gemm_n=4096)).machine
+    assert fig.gpu and not fig.unknown()
+    for v in (fig.h2d_gbps, fig.d2h_gbps, fig.duplex_gbps, fig.gemm_tflops, fig.device_gbps,
+              fig.adamw_under_dma_params_per_s):
+        assert v and v > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_plan_predicts_a_whole_step(tmp_path, tiny_adapter):
+    from megatrain_cli.recipe import load_recipe
+
+    probe = pb.load_or_probe(tiny_adapter, micro_batch_size=2, seq_len=256, dtype=torch.bfloat16,
+                             device=torch.device("cuda"), cache_dir=tmp_path, machine_args=dict(gemm_n=4096))
+    assert probe.layer is not None and probe.layer.device == "cuda" and probe.layer.forward_s > 0
+    r = load_recipe(TINY, ["engine.device=cuda", "model.dtype=bf16", "train.micro_batch_size=2", "train.seq_len=256"])
+    preds = pr.choose(r, tiny_adapter, torch.device("cuda"), probe.machine, probe.layer)
+    assert preds[0].fits and preds[0].total is not None and preds[0].total > 0
+    result = megatrain("plan", TINY, "--probe-cache", tmp_path, "engine.device=cuda", "model.dtype=bf16",
+                       "train.micro_batch_size=2", "train.seq_len=256")
+    assert result.exit_code == 0, result.output
+    assert "chosen plan:" in result.output and "?" not in result.output.split("chosen plan:")[1]
