@@ -42,20 +42,20 @@ def run(store, cfg, batches, resident, first=0, total=STEPS, device="cpu", **kwa
     return engine, results
 
 
-@pytest.mark.parametrize("resident", [1, 4])
-def test_resident_layers_match_plain_hf_and_adamw(resident):
-    config, store, cfg, batches = setup()
+@pytest.mark.parametrize("resident,tied", [(1, False), (4, False), (2, True)])
+def test_resident_layers_match_plain_hf_and_adamw(resident, tied):
+    config, store, cfg, batches = setup(tied=tied)
     ref = reference_model(store, config)
     ref_losses = reference_train(ref, batches, cfg, STEPS)
     engine, results = run(store, cfg, batches, resident)
-    assert engine.resident is not None and len(engine.resident.names) == resident
+    assert engine.resident.names == (*[f"layers.{i}" for i in range(resident)], "head")
     for res, expected in zip(results, ref_losses):
         assert res.losses == pytest.approx(expected, rel=1e-5)
         assert res.grad_norm > 0.5, "clipping must be active in this test"
-    assert_same_params(store, ref, tied=False)
-    # Resident layers never cross to the device as transfers; the streamed ones still do.
+    assert_same_params(store, ref, tied=tied)
+    # Resident layers and the head never cross to the device as transfers; the streamed ones still do.
     counted = results[-1].h2d_count
-    assert not any(f"layers.{i}" in counted for i in range(resident))
+    assert not any(f"layers.{i}" in counted for i in range(resident)) and "head" not in counted
     assert all(f"layers.{i}" in counted for i in range(resident, 4))
 
 
@@ -137,13 +137,14 @@ def test_plan_counts_resident_bytes_and_auto_fills_the_budget():
     args = dict(adapter=adapter, compute_dtype=torch.bfloat16, micro_batch_size=2, seq_len=64, grad_accum=1,
                 checkpoint_interval=2, grad_slabs=2)
     store = HostStore(adapter, torch.bfloat16, allocate=False)
-    layer = store.layouts["layers.0"].numel
+    layer, head = store.layouts["layers.0"].numel, store.layouts["head"].numel
     base, three = make_plan(**args), make_plan(**args, resident_layers=3)
-    assert three.device_total - base.device_total == 3 * layer * 16 + 2 * (1 << 24) * 4
-    assert resident_device_bytes(store, 3, 2) == 3 * layer * 16 + 2 * (1 << 24) * 4
+    assert three.device_total - base.device_total == (3 * layer + head) * 16 + 2 * (1 << 24) * 4
+    assert resident_device_bytes(store, 3, 2) == (3 * layer + head) * 16 + 2 * (1 << 24) * 4
+    assert resident_device_bytes(store, 0, 2) == 0
     bf16_masters = make_plan(**args, resident_layers=3, master_dtype=torch.bfloat16)
     assert bf16_masters.device_total - make_plan(**args, master_dtype=torch.bfloat16).device_total == \
-        3 * layer * 14 + 2 * (1 << 24) * 4
+        (3 * layer + head) * 14 + 2 * (1 << 24) * 4
     assert three.h2d_per_layer < base.h2d_per_layer and three.resident_layers == 3
     # 'auto' on a CUDA plan with a budget: the most leading layers that fit 88% of it.
     keys = ["model.preset=tiny", "train.steps=1", "engine.keep_activations=0", "train.micro_batch_size=2",

@@ -17,7 +17,7 @@ from megatrain_cli.engine.templates import run_bound
 
 def run_head(engine, h, labels, norm_scale, sq_norm):
     """Final norm + LM head + cross-entropy, in token chunks so full logits never exist."""
-    flat = engine.streamer.acquire("head")
+    flat = engine.acquire("head")
     w = engine.weight_views("head", flat, grad=False)
     norm_w = {k[len("norm."):]: v.detach().requires_grad_() for k, v in w.items() if k.startswith("norm.")}
     if engine.adapter.tied:
@@ -57,6 +57,6 @@ def run_head(engine, h, labels, norm_scale, sq_norm):
         views["lm_head.weight"].copy_(lm_grad)
     sq = torch.dot(head_acc, head_acc)
     sq_norm.add_(sq)
-    engine.sink.send("head", head_acc, sq)
+    engine.send_grad("head", head_acc, sq)
     # Tied: the whole embedding tile's gradient, sent after the embedding rows are added; else sent now.
     return grads_out, losses, (tied_flat if engine.adapter.tied else None)

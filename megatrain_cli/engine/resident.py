@@ -1,6 +1,7 @@
-"""Layers whose optimizer state lives on the device (engine.resident_layers).
+"""Tiles whose optimizer state lives on the device (engine.resident_layers).
 
-For the first N decoder layers the engine keeps, on the device, the master weights, both Adam moments,
+For the first N decoder layers, and with them the head (final norm + LM head), the engine keeps, on the
+device, the master weights, both Adam moments,
 the compute-dtype weights the layers run with and the gradient, and runs AdamW there once the step's
 clip coefficient is known. What it saves per step and layer: every transfer (H2D in the forward and
 again in the backward, the gradient's D2H), the packer's host casts and the host AdamW pass over the
@@ -11,7 +12,8 @@ the planner takes from the budget that kept activations would otherwise use.
 
 The first layers are the ones kept: the next forward reads them first, so the host has their compute
 time to finish the streamed layers' updates; in the backward they come last, after every streamed
-gradient has left. The update is the host kernel's arithmetic (torch's fused AdamW, the gradient rounded
+gradient has left. The head comes with them: the next forward reads it last, so after a clipped step its
+host update would queue behind every streamed layer's while the GPU waits at the head. The update is the host kernel's arithmetic (torch's fused AdamW, the gradient rounded
 to the compute dtype as the streamed path's D2H rounds it, the same decay ranges and clip), so a run's
 result does not depend on which layers are resident beyond the device's own fp32 rounding.
 
@@ -64,7 +66,8 @@ class ResidentLayers:
 
     @property
     def loaded(self) -> bool:
-        return bool(self._state)
+        """True once `load` ran (always for an empty set: nothing is resident)."""
+        return bool(self._state) or not self.names
 
     def load(self) -> None:
         """Host tiles -> device (every resident tile's master, moments and step; its weights cast)."""

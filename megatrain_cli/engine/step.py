@@ -52,8 +52,8 @@ class Engine:
     `update_on_read`, `packer_threads`, `adamw_threads`: the host optimizer's code and threads
     (optim/host_adamw.py, optim/worker.py). `dist` (engine/dist.py) makes this engine one data-parallel
     rank over its ShardedHostStore: layers all-gathered on the devices, gradients reduce-scattered,
-    loss and gradient norm global. `resident_layers`: the first N layers keep their optimizer state on the
-    device and are updated there (engine/resident.py; one process only).
+    loss and gradient norm global. `resident_layers`: the first N layers, and with them the head, keep their
+    optimizer state on the device and are updated there (engine/resident.py; one process only).
     """
 
     def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
@@ -89,8 +89,8 @@ class Engine:
         self.optimizer = HostAdamW(train, kernel=host_adamw, defer_moments=defer_moments)
         if resident_layers and dist is not None:
             raise ValueError("resident_layers needs one process: a data-parallel rank holds a shard of each layer")
-        names = store.layer_names[:max(0, resident_layers)]
-        self.resident = ResidentLayers(store, names, device, self.dtype, train) if names else None
+        names = store.layer_names[:max(0, resident_layers)]  # none: an empty set, every tile streamed
+        self.resident = ResidentLayers(store, [*names, "head"] if names else [], device, self.dtype, train)
         self.worker = None
         self.update_on_read = False
         if overlap_optimizer:
@@ -204,7 +204,7 @@ class Engine:
         elif not res.skipped:
             for name in self.update_order():
                 self.optimizer.update(self.store.tiles[name], lr, coef)
-        if self.resident is not None and not res.skipped:
+        if not res.skipped:
             self.resident.update(lr, coef)
         res.times["optimizer"] = time.perf_counter() - t0
         return res
@@ -225,21 +225,25 @@ class Engine:
 
     def update_order(self) -> list[str]:
         """The order the next forward reads the host-updated tiles: embedding rows, layers, head."""
-        return [t for t in ("embed", *self.store.layer_names, "head") if not self._is_resident(t)]
+        return [t for t in ("embed", *self.store.layer_names, "head") if t not in self.resident]
 
-    def _is_resident(self, tile: str) -> bool:
-        return self.resident is not None and tile in self.resident
+    def acquire(self, tile: str) -> torch.Tensor:
+        """A tile's weights on the device: a resident tile's own buffer, else the streamer's slot."""
+        return self.resident.weights(tile) if tile in self.resident else self.streamer.acquire(tile)
 
-    def _acquire(self, tile: str) -> torch.Tensor:
-        """A layer's weights on the device: a resident layer's own buffer, else the streamer's slot."""
-        return self.resident.weights(tile) if self._is_resident(tile) else self.streamer.acquire(tile)
+    def send_grad(self, tile: str, grad: torch.Tensor, sq: torch.Tensor) -> None:
+        """A tile's finished fp32 gradient: kept on the device for a resident tile, else to the host."""
+        if tile in self.resident:
+            self.resident.set_grad(tile, grad)
+        else:
+            self.sink.send(tile, grad, sq)
 
     def synchronize(self, masters: bool = True) -> None:
         """Wait for every pending host update; `masters`: also bring the resident layers' state home, so
         the host tiles are current (checkpoint, export, eval). A bench's timing wants the wait alone."""
         if self.worker is not None:
             self.worker.drain()
-        if masters and self.resident is not None and self.resident.loaded:
+        if masters:
             self.resident.store_home()
 
     def close(self) -> None:
@@ -253,9 +257,9 @@ class Engine:
     def forward_backward(self, mbs: list[MicroBatch]) -> StepResult:
         dev, H = self.device, self.adapter.hidden_size
         times: dict[str, float] = {}
-        if self.resident is not None and not self.resident.loaded:
+        if not self.resident.loaded:
             self.resident.load()  # here, not at construction: a resume fills the host tiles in between
-        self.streamer.begin_step([t for t in fetch_order(self.ops) if not self._is_resident(t)])
+        self.streamer.begin_step([t for t in fetch_order(self.ops) if t not in self.resident])
         if self.dist is None:  # ranks start their all-gathers in step with each other, at the first acquire
             self.streamer.prefetch_first()
         t_start = time.perf_counter()
@@ -297,7 +301,7 @@ class Engine:
                                 checkpoints[op.block] = list(h)
                             elif op.block not in self.keep_blocks:  # a kept block is never recomputed
                                 off.put(op.block, list(h))
-                        flat = self._acquire(op.tile)
+                        flat = self.acquire(op.tile)
                         if op.grad:
                             h = self._record_layer(op.layer, flat, h, ctx, graphs, count=True)
                         else:
@@ -326,10 +330,10 @@ class Engine:
                                 h = off.get(op.block)
                                 if op.block in self._next_recompute:  # one block ahead, behind this one's compute
                                     off.prefetch(self._next_recompute[op.block])
-                        flat = self._acquire(op.tile)
+                        flat = self.acquire(op.tile)
                         h = self._record_layer(op.layer, flat, h, ctx, graphs)
                     elif op.kind == "backward":
-                        flat = self._acquire(op.tile)
+                        self.acquire(op.tile)
                         grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
                     elif op.kind == "embed_backward":
                         grads_out = [embed_output_grad(tr, g) for tr, g in zip(x.transforms, grads_out)]
@@ -389,8 +393,5 @@ class Engine:
                 acc_views[name].add_(gw)
         sq = torch.dot(acc, acc)  # no temporary the size of the layer, unlike acc.square().sum()
         sq_norm.add_(sq)
-        if self._is_resident(f"layers.{i}"):
-            self.resident.set_grad(f"layers.{i}", acc)
-        else:
-            self.sink.send(f"layers.{i}", acc, sq)
+        self.send_grad(f"layers.{i}", acc, sq)
         return grads_in

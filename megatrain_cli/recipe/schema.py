@@ -126,10 +126,10 @@ class EngineConfig:
     keep_activations: Union[int, str] = doc("Memory-adaptive recompute: how many of the last blocks keep their "
                                             "activations instead of being recomputed; 'auto' = as many as fit "
                                             "the device budget (0 on CPU).", "auto")
-    resident_layers: Union[int, str] = doc("The first N decoder layers keep their master weights, Adam moments and "
-                                           "gradients on the device and are updated there: no transfers and no host "
-                                           "AdamW for them, 16 bytes/param of device memory each (bf16); 'auto' = as "
-                                           "many as fit the device budget before kept activations take the rest (0 "
+    resident_layers: Union[int, str] = doc("The first N decoder layers, and with them the head, keep their master "
+                                           "weights, Adam moments and gradients on the device and are updated there: "
+                                           "no transfers and no host AdamW for them, 16 bytes/param of device memory "
+                                           "(bf16); 'auto' = as many as fit the device budget before kept activations take the rest (0 "
                                            "on CPU and on the long-context / memory-lean paths). One process only.",
                                            "auto")
     kernels: Literal["auto", "torch", "triton"] = doc("Fused kernels: 'auto' uses Triton on CUDA, PyTorch on "

@@ -100,7 +100,7 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
     plan.device["LM head gradient (fp32)"] = vocab * h * 4
     resident_layers = max(0, min(resident_layers, layers))
     if resident_layers:
-        plan.device[f"resident layers ({resident_layers}: master, moments, weights, gradient)"] = \
+        plan.device[f"resident: {resident_layers} layers + head (master, moments, weights, gradient)"] = \
             resident_device_bytes(store, resident_layers, width)
     bl = blocks(layers, checkpoint_interval)
     keep_blocks = max(0, min(keep_blocks, len(bl)))
@@ -138,12 +138,15 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
 
 
 def resident_device_bytes(store: HostStore, n: int, width: int) -> int:
-    """Device bytes of the first n layers kept resident (engine/resident.py), with its fp32 scratch for
-    widening a bf16 master or gradient."""
+    """Device bytes of the first n layers and the head kept resident (engine/resident.py), with its fp32
+    scratch for widening a bf16 master or gradient; 0 for n = 0."""
+    if n <= 0:
+        return 0
     master = torch.finfo(store.master_dtype).bits // 8
     per_param = resident_bytes_per_param(master, width, width)
     scratch = 2 * CAST_CHUNK * 4 if min(width, master) != 4 else 0
-    return sum(store.layouts[name].numel for name in store.layer_names[:n]) * per_param + scratch
+    numel = sum(store.layouts[name].numel for name in [*store.layer_names[:n], "head"])
+    return numel * per_param + scratch
 
 
 def choose_resident_layers(budget_bytes: int, headroom: float = 0.88, **plan_args) -> int:

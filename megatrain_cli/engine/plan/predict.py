@@ -127,6 +127,7 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     kept = frozenset(range(len(bl) - cand.keep_blocks, len(bl))) if cand.path == "short" else frozenset()
     recomputed = sum(len(b) for i, b in enumerate(bl) if i not in kept)
     res = resident_ids(L, R)
+    head = 0 if R else model.head_params  # the head's params on the host and the link (resident with the layers)
     counts = transfers_per_layer(build_schedule(L, interval, kept), shape.layer_slots)
     streamed = [i for i in range(L) if i not in res]
     S = len(streamed)
@@ -147,8 +148,8 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     elif fig.gemm_tflops and cuda:
         rate = fig.gemm_tflops * 1e12
     gpu_head = head_flops / rate if rate else None
-    gpu_resident = (R * P * RESIDENT_UPDATE_B / (fig.device_gbps * 1e9) if R and fig.device_gbps else
-                    0.0 if not R else None)
+    gpu_resident = ((R * P + model.head_params) * RESIDENT_UPDATE_B / (fig.device_gbps * 1e9)
+                    if R and fig.device_gbps else 0.0 if not R else None)
     gpu_bwd = None if f is None or b is None or gpu_resident is None else recomputed * f + L * b + gpu_resident
 
     # ---- PCIe
@@ -158,7 +159,7 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
         ckpt = shape.micro_batch_size * shape.seq_len * model.hidden * w * A * cand.offloaded_checkpoints
         fwd_pcie = S * h2d_layer + ckpt / (link["d2h_gbps"] * 1e9)
         bwd_pcie = max(bwd_transfers * P * w + ckpt, S * P * w) / (link["duplex_gbps"] * 1e9)
-        head_h2d = model.head_params * w / (link["h2d_gbps"] * 1e9)
+        head_h2d = head * w / (link["h2d_gbps"] * 1e9)
     elif cuda:
         h2d_layer = fwd_pcie = bwd_pcie = head_h2d = None
     else:  # the CPU engine copies on the host: the casts below are its transfers
@@ -199,19 +200,19 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
             forward = S * max(f, prep, h2d_layer) + R * f
         else:  # the reference streamer casts synchronously, then the layer computes
             forward = L * (f + prep)
-    head_prep = model.head_params * (prep / P)
+    head_prep = head * (prep / P)
     if gpu_head is not None and head_h2d is not None:
         head_phase = max(gpu_head, head_prep, head_h2d) if cuda else gpu_head + head_prep
-    bwd_host = bwd_transfers * cast_s(u_bwd) + host(S * P + model.head_params, LAND_B, u_bwd)
+    bwd_host = bwd_transfers * cast_s(u_bwd) + host(S * P + head, LAND_B, u_bwd)
     if worker:
-        bwd_host += (host(S * P + model.head_params + model.embed_params, MOMENTS_B, u_bwd) if shape.clipped
-                     else host(S * P + model.head_params, UPDATE_B, u_bwd))
+        bwd_host += (host(S * P + head + model.embed_params, MOMENTS_B, u_bwd) if shape.clipped
+                     else host(S * P + head, UPDATE_B, u_bwd))
     if gpu_bwd is not None and bwd_pcie is not None:
         backward = max(gpu_bwd, bwd_pcie, bwd_host) if cuda else gpu_bwd + bwd_host
     if worker:  # the embedding's update: its rows are gathered on the host before the next forward starts
         serial = host(model.embed_params, WEIGHTS_B if shape.clipped else UPDATE_B, 0.0)
     else:  # every update after the backward, nothing to overlap it
-        serial = host(S * P + model.head_params + model.embed_params, UPDATE_B, 0.0)
+        serial = host(S * P + head + model.embed_params, UPDATE_B, 0.0)
 
     phases = {"forward": forward, "head": head_phase, "backward": backward, "serial": serial}
     gpu = None if f is None or gpu_head is None or gpu_bwd is None else L * f + gpu_head + gpu_bwd
