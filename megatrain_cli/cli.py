@@ -148,7 +148,7 @@ def bench(ctx: typer.Context,
         except ValueError as err:
             _fail(f"--seq: {err}")
         r = bench_recipe(ctx.args, shorthand=short)
-        run = BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None)
+        run = BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None, predict=True)
         # Every option and path before the plan: nothing is measured that would then be refused or lost.
         problems = bench_problems(r, run, baseline=baseline, gpus=gpus, output=str(output) if output else None,
                                   cuda=torch.cuda.is_available())

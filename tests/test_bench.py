@@ -130,3 +130,23 @@ def test_old_bench_flags_are_answered_with_the_recipe_key_that_replaced_them():
                         "--max-gpu-mem: now a recipe key: engine.max_gpu_mem=24GiB",
                         "--fast: no such option of `megatrain bench` (engine settings are recipe keys, key.sub=value; "
                         "`megatrain bench --help` lists them)"]
+
+
+def test_a_bench_row_records_the_probe_and_the_planners_prediction(tmp_path):
+    """BenchRun(predict=True), as `megatrain bench` runs: the probe (cached in the folder given) and the
+    planner's predicted step for the plan that ran, for the step the run was (clipped here: random init),
+    beside the measured one; a second row reuses the cached probe."""
+    lines = []
+    run = BenchRun(steps=2, warmup=1, predict=True, probe_cache=str(tmp_path))
+    res = run_bench(cpu_recipe(batch=2, seq=32), run, log=lines.append)
+    pred = res.predicted
+    assert pred["clipped"] == all(n > 1.0 for n in res.grad_norms) and len(res.grad_norms) == 2
+    assert pred["step_s"] > 0 and set(pred["phases"]) == {"forward", "head", "backward", "serial"}
+    assert pred["probe"]["adamw_params_per_s"] > 0 and pred["layer"]["tokens"] == 64
+    assert any(line.startswith(f"[bench] predicted {pred['step_s']:.3f} s/step") for line in lines)
+    assert "predicted by the planner" in format_table([res])
+    cached = list(tmp_path.glob("*.json"))
+    assert len(cached) == 1
+    before = cached[0].stat().st_mtime_ns
+    again = run_bench(cpu_recipe(batch=2, seq=32), run, log=lambda m: None)
+    assert again.predicted["probe"] == pred["probe"] and cached[0].stat().st_mtime_ns == before

@@ -42,6 +42,9 @@ class BenchResult:
     # Steady state: the mean of timed steps 2..N, each carrying the previous step's optimizer work
     # (loop.TimedSteps.steady_step_s); 0 when fewer than 2 timed steps.
     steady_step_time_s: float = 0.0
+    grad_norms: list = field(default_factory=list)  # the timed steps' global gradient norms
+    # The planner's prediction for the plan that ran and the probe's figures (bench/predicted.py); {}: none
+    predicted: dict = field(default_factory=dict)
 
 
 def model_label(name: str, layers: int | None, full_layers: int | None = None) -> str:
@@ -67,6 +70,9 @@ def format_table(results: list[BenchResult]) -> str:
                      f"{f(r.d2h_gbps, '9.1f'):>9} {f(r.overlap, '8.1%'):>8} {r.peak_device_bytes / 2**30:8.1f} "
                      f"{r.host_rss_bytes / 2**30:8.1f} {r.bytes_per_param:8.1f}")
     ours = results[0] if results else None
+    if ours is not None and ours.predicted.get("step_s"):
+        lines.append(f"{ours.name} predicted by the planner: {ours.predicted['step_s']:.2f} s/step "
+                     f"(docs/planner.md; the probe's figures are in the JSON)")
     for base in results[1:]:
         if base.tokens_per_s > 0:
             lines.append(f"{ours.name} / {base.name}: {ours.tokens_per_s / base.tokens_per_s:.2f}x tokens/s")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_cli.bench import long_context, short
+from megatrain_cli.bench import long_context, predicted, short
 from megatrain_cli.bench.result import BenchResult, model_label
 from megatrain_cli.bench.settings import BenchRun, bench_model_config, model_name
 from megatrain_cli.engine.plan.lean import GiB, LeanPlan, refusal
@@ -127,12 +127,21 @@ def run_bench(r: Recipe, run: BenchRun = BenchRun(), *, log=print, dashboard: st
     if planned.problems:
         raise DoesNotFit("the bench would not fit:\n  " + "\n  ".join(planned.problems))
     prefix = "[bench-long]" if planned.long_context else "[bench]"
+    probe = None
+    if run.predict and not planned.long_context:  # before the store and engine take the memory it measures in
+        probe = predicted.probe_for(planned, cache_dir=run.probe_cache, log=log)
     built = build(planned, store=store, prefix=prefix, log=log)
     try:
         if planned.long_context:
             return long_context.measure(planned, built.store, built.engine, run, allocator=built.allocator, log=log)
-        return short.measure(planned, built.store, built.engine, run, allocator=built.allocator, log=log,
-                             dashboard=dashboard)
+        result = short.measure(planned, built.store, built.engine, run, allocator=built.allocator, log=log,
+                               dashboard=dashboard)
+        if probe is not None:
+            norm = planned.r.train.max_grad_norm
+            clipped = norm is not None and all(n > norm for n in result.grad_norms)
+            result.predicted = predicted.predicted_row(planned, probe, clipped=clipped)
+            log(f"[bench] {predicted.summary(result.predicted, result.step_time_s, result.steady_step_time_s)}")
+        return result
     finally:  # the engine's device buffers go before a baseline runs in this process
         del built
         gc.collect()

@@ -31,6 +31,8 @@ class BenchRun:
     layers: int | None = None  # the same layer shape, fewer (or more) of them; presets only
     optimizer: bool = True  # False: forward + backward alone (the reference for the optimizer's share)
     frame: str | None = None  # write the last step's dashboard frame (text) here
+    predict: bool = False  # probe the machine and record the planner's prediction (bench/predicted.py)
+    probe_cache: str | None = None  # the probe's cache folder; None: the user's cache dir
 
     def warmup_steps(self, long_context: bool) -> int:
         return (0 if long_context else 1) if self.warmup is None else self.warmup

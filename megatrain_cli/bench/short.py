@@ -95,7 +95,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
             h2d_gbps=(sum(x.h2d_bytes for x in results) + ckpt_h2d) / wall / 1e9,
             d2h_gbps=(sum(x.d2h_bytes for x in results) + ckpt_d2h) / wall / 1e9,
             overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=timed.losses,
-            notes=notes)
+            notes=notes, grad_norms=[x.grad_norm for x in results])
         steady = timed.steady_step_s() if run.optimizer else None
         if steady:
             result.steady_step_time_s = steady

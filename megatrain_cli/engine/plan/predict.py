@@ -243,17 +243,21 @@ def _planned(r, adapter, device, cand_engine: dict, budget):
         plan = plan_step(variant, adapter, device)
     except ValueError as err:  # a recipe no plan serves (e.g. packed rows too long for the mask)
         return None, 0, [str(err)]
-    R = plan.resident_layers if device.type == "cuda" else 0
     lean = plan.lean
     dev = lean.predicted_peak if lean is not None else plan.memory.device_total
     problems = list(plan.problems)
     if budget and dev > HEADROOM * budget and not problems:
         problems.append(f"device memory: about {dev / GiB:.1f} GiB of the {budget / GiB:.1f} GiB budget "
                         f"(over {HEADROOM:.0%}, the headroom the planner keeps for 'auto')")
-    path = "short" if lean is None else lean.label
-    cand = Candidate(plan.checkpoint_interval, len(plan.keep_blocks), R, path,
+    return candidate_of(plan, device), dev, problems
+
+
+def candidate_of(plan, device: torch.device) -> Candidate:
+    """The candidate a StepPlan is (what `bench` predicts for the plan it runs)."""
+    lean = plan.lean
+    return Candidate(plan.checkpoint_interval, len(plan.keep_blocks), plan.resident_layers if device.type == "cuda"
+                     else 0, "short" if lean is None else lean.label,
                      lean.offloaded_checkpoints if lean is not None else 0)
-    return cand, dev, problems
 
 
 def resident_options(r, num_layers: int, device: torch.device) -> list[int]:

@@ -1,0 +1,55 @@
+"""The planner's prediction for the plan a bench row runs, and the probe it stands on (issue #22: every row
+records the machine's measured figures, so rows of different machine starts compare, and the predicted
+step beside the measured one).
+
+The probe runs before the store and the engine exist (its layer timing needs device memory they would
+hold); it is cached per machine, so only a new machine or shape costs its few seconds. The prediction
+itself is arithmetic, made after the run, for the step the run turned out to be: clipped or not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+from megatrain_cli.engine.plan.probe import Probe
+
+
+def probe_for(planned, *, cache_dir: str | Path | None = None, log=print) -> Probe:
+    """This machine's figures and the layer's timing at the row's shape (measured now when not cached)."""
+    from megatrain_cli.engine import kernel_patch
+    from megatrain_cli.engine.plan.probe import load_or_probe
+    from megatrain_cli.engine.plan.step_plan import DTYPES
+    from megatrain_cli.models.adapter import ModelAdapter
+
+    r, device = planned.r, planned.device
+    return load_or_probe(ModelAdapter(planned.config), micro_batch_size=r.train.micro_batch_size,
+                         seq_len=r.train.seq_len, dtype=DTYPES[r.model.dtype], device=device,
+                         kernels=kernel_patch.resolve(r.engine.kernels, device), cache_dir=cache_dir,
+                         log=lambda line: log(f"[bench] {line}"))
+
+
+def predicted_row(planned, probe: Probe, *, clipped: bool) -> dict:
+    """What BenchResult.predicted holds: the predicted step (None where a figure is unknown), its phases and
+    resources, and the probe's figures."""
+    from megatrain_cli.engine.plan.predict import ModelFigures, candidate_of, predict, shape_of
+    from megatrain_cli.engine.plan.step_plan import DTYPES
+    from megatrain_cli.models.adapter import ModelAdapter
+
+    r, device = planned.r, planned.device
+    model = ModelFigures.of(ModelAdapter(planned.config), DTYPES[r.model.dtype])
+    p = predict(probe.machine, probe.layer, model, shape_of(r, device, clipped=clipped),
+                candidate_of(planned.plan, device))
+    return {"step_s": p.total, "clipped": clipped, "phases": p.phases, "busy": p.parts, "unknown": p.unknown,
+            "probe": asdict(probe.machine), "layer": asdict(probe.layer) if probe.layer is not None else None}
+
+
+def summary(predicted: dict, measured_s: float, steady_s: float) -> str:
+    """One line: predicted against measured, and by how much the model missed."""
+    step = predicted["step_s"]
+    if step is None:
+        return f"no prediction: unknown {', '.join(predicted['unknown'])}"
+    ref = steady_s or measured_s
+    return (f"predicted {step:.3f} s/step for a{'' if predicted['clipped'] else 'n un'}clipped step, measured "
+            f"{measured_s:.3f} (steady {steady_s:.3f}): {step / ref - 1:+.0%} against "
+            f"{'steady' if steady_s else 'measured'}")
