@@ -200,3 +200,40 @@ def test_cuda_plan_predicts_a_whole_step(tmp_path, tiny_adapter):
                        "train.micro_batch_size=2", "train.seq_len=256")
     assert result.exit_code == 0, result.output
     assert "chosen plan:" in result.output and "?" not in result.output.split("chosen plan:")[1]
+
+
+def test_train_reads_the_cached_probe_and_measures_nothing(tmp_path, monkeypatch):
+    """train and --dry-run: no cached probe -> the line says how to get one (and nothing is measured); once
+    `plan` or `bench` cached one for this shape, the predicted step of the plan train runs, and the end-of-run
+    line compares it with the measured mean."""
+    from megatrain_cli.engine.plan import probe as probe_mod
+    from megatrain_cli.engine.plan.step_plan import plan_step
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.recipe import load_recipe
+    from megatrain_cli.train.predicted import against, describe, prediction
+    from megatrain_cli.train.setup import model_config
+
+    r = load_recipe(TINY, ["engine.device=cpu"])
+    adapter = ModelAdapter(model_config(r))
+    device = torch.device("cpu")
+    plan = plan_step(r, adapter, device)
+    measured = []
+    monkeypatch.setattr(probe_mod, "measure_machine", lambda **k: measured.append(k) or FIG)
+    assert prediction(r, adapter, device, plan, cache_dir=tmp_path) is None
+    assert describe(None).startswith("planner: no probe of this machine cached; `megatrain plan RECIPE`")
+    assert not measured
+    probe_mod.load_or_probe(adapter, micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len,
+                            dtype=torch.float32, device=device, cache_dir=tmp_path)
+    assert len(measured) == 1
+    pred = prediction(r, adapter, device, plan, cache_dir=tmp_path)
+    assert pred is not None and pred.total > 0 and len(measured) == 1
+    assert describe(pred).startswith(f"planner: predicted {pred.total:.3f} s/step for this plan")
+    assert against(pred, 2 * pred.total, 5) == (f"mean step {2 * pred.total:.3f} s over 5 steps; the planner "
+                                                f"predicted {pred.total:.3f} s (-50%)")
+    assert against(None, 1.0, 5) == ""
+
+
+def test_dry_run_prints_the_planners_line():
+    res = megatrain("train", TINY, "--dry-run", "engine.device=cpu")
+    assert res.exit_code == 0, res.output
+    assert [line for line in res.output.splitlines() if line.startswith("planner: ")]

@@ -25,10 +25,10 @@ CPU = torch.device("cpu")
 CFG = TrainConfig(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1, grad_accum=2)
 
 
-def engine_for(config, *, interval: int = 2, worker: bool = False) -> Engine:
+def engine_for(config, *, interval: int = 2, worker: bool = False, resident: int = 0) -> Engine:
     store = build_store(config, torch.float32, seed=3)
     return Engine(store, CFG, device=CPU, checkpoint_interval=interval, loss_chunk_tokens=7,
-                  overlap_optimizer=worker)
+                  overlap_optimizer=worker, resident_layers=resident)
 
 
 def train(engine: Engine, steps, validate_after=(), held_out=None) -> list[float]:
@@ -129,6 +129,26 @@ def test_training_with_validation_passes_equals_training_without():
     assert_same_state(snapshot(plain.store), snapshot(with_val.store), whole_buffer=False)
     plain.close()
     with_val.close()
+
+
+def test_validation_reads_resident_layers_in_place():
+    """With resident layers (engine.resident_layers) the pass reads their device state where it is: the same
+    loss as the all-streamed engine after the same steps, and the host copies are not brought home for it."""
+    config = tiny_config("Qwen2ForCausalLM", layers=3)
+    steps = random_batches(config.vocab_size, 2, 2, batch=2, seq=16, seed=5)
+    held_out = random_batches(config.vocab_size, 1, 2, batch=2, seq=16, seed=9)[0]
+    losses = []
+    for resident in (0, 2):
+        engine = engine_for(config, resident=resident)
+        for s, mbs in enumerate(steps):
+            engine.step(mbs, lr_at(s, CFG, 3))
+        stale = engine.store.tiles["layers.0"].master.clone()
+        losses.append(validation_loss(engine, held_out, group=2)[0])
+        if resident:  # the host copy of a resident layer is still the one loaded before the first step
+            assert torch.equal(engine.store.tiles["layers.0"].master, stale)
+            assert engine.store.tiles["layers.0"].step == 0
+        engine.close()
+    assert losses[1] == losses[0]
 
 
 def test_the_forward_only_order_is_the_step_forward_order_without_the_backward():

@@ -32,14 +32,11 @@ def probe_for(planned, *, cache_dir: str | Path | None = None, log=print) -> Pro
 def predicted_row(planned, probe: Probe, *, clipped: bool) -> dict:
     """What BenchResult.predicted holds: the predicted step (None where a figure is unknown), its phases and
     resources, and the probe's figures."""
-    from megatrain_cli.engine.plan.predict import ModelFigures, candidate_of, predict, shape_of
-    from megatrain_cli.engine.plan.step_plan import DTYPES
+    from megatrain_cli.engine.plan.predict import predict_plan
     from megatrain_cli.models.adapter import ModelAdapter
 
-    r, device = planned.r, planned.device
-    model = ModelFigures.of(ModelAdapter(planned.config), DTYPES[r.model.dtype])
-    p = predict(probe.machine, probe.layer, model, shape_of(r, device, clipped=clipped),
-                candidate_of(planned.plan, device))
+    p = predict_plan(planned.r, ModelAdapter(planned.config), planned.device, planned.plan, probe.machine,
+                     probe.layer, clipped=clipped)
     return {"step_s": p.total, "clipped": clipped, "phases": p.phases, "busy": p.parts, "unknown": p.unknown,
             "probe": asdict(probe.machine), "layer": asdict(probe.layer) if probe.layer is not None else None}
 

@@ -5,9 +5,10 @@ template (`Engine._layer`), the final norm and the LM head in token chunks (as e
 backward), so the value is the training loss's definition on other rows: the token-mean cross-entropy
 (for a mixture of experts without the router's auxiliary term, which is a training regulariser).
 
-What it leaves alone: host AdamW's pending updates land first (`engine.synchronize()`, as before a
-checkpoint; bit-identical either way), then nothing writes a master, moment or gradient; the weights
-stream in the forward's own order (`forward_order`), and every slot is released at the end
+What it leaves alone: host AdamW's pending updates land first (`engine.synchronize(masters=False)`: the
+resident tiles are read where they are, on the device, not copied home), then nothing writes a master,
+moment or gradient; the weights stream in the forward's own order (`forward_order`, less the resident
+tiles), and every slot is released at the end
 (`streamer.invalidate()`), so the next step starts exactly as after any step. Costs: one forward
 transfer of every layer and the head per pass (none of the backward's), a pass per `group` micro-batches
 (the step's count, so the device holds what a step's forward holds: no plan is exceeded), one
@@ -40,7 +41,7 @@ def validation_loss(engine, micro_batches: list[MicroBatch], group: int = 1) -> 
         raise ValueError("validation needs at least one micro-batch")
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
-    engine.synchronize()  # pending host updates land: the pass reads current masters
+    engine.synchronize(masters=False)  # pending host updates land: the pass reads current masters
     loss_sum, tokens = 0.0, 0
     try:
         for lo in range(0, len(micro_batches), group):
@@ -57,14 +58,14 @@ def validation_loss(engine, micro_batches: list[MicroBatch], group: int = 1) -> 
 def _pass(engine, mbs: list[MicroBatch]) -> tuple[float, int]:
     """One forward over `mbs`: (loss sum, loss tokens) of this process's rows."""
     streamer = engine.streamer
-    streamer.begin_step(forward_order(engine.ops))
+    streamer.begin_step([t for t in forward_order(engine.ops) if t not in engine.resident])
     x = step_inputs(mbs, engine.store, streamer, engine.layer_inputs, engine.device, engine.dtype, engine.dist,
                     check_mask=engine.long_context is not None)
     h, calls = x.h, x.calls
     with engine._sdpa_context():
         for i in range(engine.adapter.num_layers):
             tile = f"layers.{i}"
-            w = engine.weight_views(tile, streamer.acquire(tile), grad=False)
+            w = engine.weight_views(tile, engine.acquire(tile), grad=False)
             h = [engine._layer(i, w, hid, call, m) for m, (hid, call) in enumerate(zip(h, calls))]
         loss_sum, tokens = _head_loss(engine, h, x.labels)
     return float(loss_sum), int(tokens)
@@ -74,7 +75,7 @@ def _head_loss(engine, h: list[torch.Tensor], labels: list[torch.Tensor]) -> tup
     """Final norm + LM head + cross-entropy summed over loss tokens, in the engine's token chunks (fp32
     logits, the family's softcap), as the training head computes it; device tensors, no sync."""
     adapter = engine.adapter
-    w = engine.weight_views("head", engine.streamer.acquire("head"), grad=False)
+    w = engine.weight_views("head", engine.acquire("head"), grad=False)
     norm_w = {k[len("norm."):]: v for k, v in w.items() if k.startswith("norm.")}
     if adapter.tied:
         lm_w = engine.streamer.acquire("embed").view(adapter.vocab_size, -1)

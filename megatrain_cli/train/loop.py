@@ -16,6 +16,7 @@ import torch
 
 from megatrain_cli.recipe import Recipe, render_yaml
 from megatrain_cli.train.errors import TrainingError, out_of_memory_message
+from megatrain_cli.train.predicted import against, describe, prediction
 from megatrain_cli.train.setup import DTYPES, build_engine, build_store, lean_allocator, resolve_device
 
 
@@ -47,7 +48,10 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
     config = preflight.read_model_config(r, tokenizer)
     # A dry run plans for the recipe's device even on a machine without it.
     device = torch.device("cuda") if r.engine.device == "cuda" and dry_run else resolve_device(r.engine.device)
-    plan = plan_step(r, ModelAdapter(config), device)
+    adapter = ModelAdapter(config)
+    plan = plan_step(r, adapter, device)
+    # the step the planner predicts from this machine's cached probe (one process: ranks are not modelled)
+    pred = prediction(r, adapter, device, plan) if dist is None and not plan.problems else None
     disk = preflight.run_disk_problem(r, config)
     if disk:
         plan.problems.append(disk)
@@ -55,6 +59,8 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         print("# resolved recipe")
         print(render_yaml(r))
         print(plan.render())
+        if dist is None and not plan.problems:
+            print(describe(pred))
         if plan.problems:
             print("(`megatrain train --force` runs it anyway)")
         return 3 if plan.problems else 0
@@ -65,10 +71,10 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         from megatrain_cli.train.rank import start_rank
 
         dist = start_rank(dist, r, device, plan.lean)
-    return _loop(r, device, tokenizer, config, plan, dist=dist)
+    return _loop(r, device, tokenizer, config, plan, dist=dist, pred=pred)
 
 
-def _loop(r: Recipe, device, tokenizer, config, plan, dist=None) -> int:
+def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> int:
     """The run itself, with output_dir locked by its lead process (train/lock.py): a second writer is
     refused, a crashed one's lock taken over."""
     from megatrain_cli.train.lock import OutputLock
@@ -92,12 +98,12 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None) -> int:
     if problem:
         raise TrainingError(problem, 2)
     try:
-        return _run(r, device, tokenizer, config, plan, dist, lead, out, watch)
+        return _run(r, device, tokenizer, config, plan, dist, lead, out, watch, pred)
     finally:
         lock.release()
 
 
-def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path, watch) -> int:
+def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path, watch, pred) -> int:
     from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.data import build_train_data, load_examples, split_examples
@@ -162,6 +168,8 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
             if held_out is not None:
                 dash.log(f"validation loss every {held_out.every} steps and after the last, on {held_out.rows} "
                          f"held-out rows of {t.seq_len} tokens")
+            if dist is None:
+                dash.log(describe(pred))
             if long_ctx is not None:
                 dash.log(f"{long_ctx.label} path: {long_ctx.offloaded_checkpoints} of {long_ctx.num_checkpoints} "
                          f"checkpoints in host memory ({pinned / 2**30:.2f} GiB pinned), predicted device peak "
@@ -206,6 +214,9 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
                                      "checkpoint.resume=auto")
                     return code
             engine.synchronize()
+            line = against(pred, (time.perf_counter() - t_run) / max(1, total - start), total - start)
+            if line:  # wall time per step, logging and checkpoints included: what the run cost
+                dash.log(line)
             if start < total:  # the run's end is resumable too (every_n_steps or not): export and resume read it
                 checkpoint(total)
             _export_final(r, store, out, dist, tokenizer, dash, total)

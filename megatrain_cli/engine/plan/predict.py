@@ -252,6 +252,13 @@ def _planned(r, adapter, device, cand_engine: dict, budget):
     return candidate_of(plan, device), dev, problems
 
 
+def predict_plan(r, adapter, device: torch.device, plan, fig: MachineFigures, layer: LayerTiming | None, *,
+                 clipped: bool = True) -> Prediction:
+    """The prediction for the plan `plan_step` made for `r` (what bench and train compare with the measured)."""
+    model = ModelFigures.of(adapter, torch.bfloat16 if r.model.dtype == "bf16" else torch.float32)
+    return predict(fig, layer, model, shape_of(r, device, clipped=clipped), candidate_of(plan, device))
+
+
 def candidate_of(plan, device: torch.device) -> Candidate:
     """The candidate a StepPlan is (what `bench` predicts for the plan it runs)."""
     lean = plan.lean

@@ -331,6 +331,22 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def read_cached(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+                kernels: str = "torch", cache_dir: Path | str | None = None) -> Probe | None:
+    """The cached figures of this machine and, when cached too, the layer's timing at this shape; None when
+    the machine was never probed. Measures nothing (what `train` and `--dry-run` read: `plan` and `bench`
+    probe)."""
+    path = Path(cache_dir or default_cache_dir()) / f"{cache_key()}.json"
+    data = _read(path)
+    if data is None:
+        return None
+    machine = MachineFigures(**{k: v for k, v in data["machine"].items() if k in MachineFigures.__dataclass_fields__})
+    key = layer_key(adapter, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
+                    kernels=kernels)
+    cached = data["layers"].get(key)
+    return Probe(machine, LayerTiming(**cached) if cached is not None else None, path)
+
+
 def load_or_probe(adapter=None, *, micro_batch_size: int = 1, seq_len: int = 1, dtype: torch.dtype = torch.bfloat16,
                   device: torch.device | None = None, kernels: str = "torch", cache_dir: Path | str | None = None,
                   reprobe: bool = False, log: Callable[[str], None] | None = None,
