@@ -19,8 +19,8 @@ result does not depend on which layers are resident beyond the device's own fp32
 
 The host tiles stay the state's home between runs: `load` copies them in before the first step (after
 any resume), `store_home` copies the device state back where the engine promises current host masters
-(Engine.synchronize: checkpoints, export, eval, validation): master and moments cross into pageable
-memory, seconds for tens of GB, so only there.
+(Engine.synchronize: checkpoints, export, the final eval; a validation pass reads them in place): master
+and moments cross into pageable memory, seconds for tens of GB, so only there.
 """
 
 from __future__ import annotations
