@@ -15,15 +15,20 @@ from megatrain_cli.engine.loss import chunked_loss, fused_loss
 from megatrain_cli.engine.templates import run_bound
 
 
+def lm_weight(engine, head_views: dict) -> torch.Tensor:
+    """The LM head's [vocab, hidden] weight: the head tile's, or with tied embeddings the embedding table
+    (streamed into its own slot)."""
+    if engine.adapter.tied:
+        return engine.streamer.acquire("embed").view(engine.adapter.vocab_size, -1)
+    return head_views["lm_head.weight"]
+
+
 def run_head(engine, h, labels, norm_scale, sq_norm):
     """Final norm + LM head + cross-entropy, in token chunks so full logits never exist."""
     flat = engine.acquire("head")
     w = engine.weight_views("head", flat, grad=False)
     norm_w = {k[len("norm."):]: v.detach().requires_grad_() for k, v in w.items() if k.startswith("norm.")}
-    if engine.adapter.tied:
-        lm_w = engine.streamer.acquire("embed").view(engine.adapter.vocab_size, -1)
-    else:
-        lm_w = w["lm_head.weight"]
+    lm_w = lm_weight(engine, w)
     if engine.adapter.tied:  # the embedding tile's gradient: padded on the distributed path
         tied_flat = engine.grad_zeros("embed")
         lm_grad = tied_flat[:lm_w.numel()].view(lm_w.shape)

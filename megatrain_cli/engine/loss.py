@@ -13,13 +13,23 @@ import torch
 from megatrain_cli.batch import IGNORE_INDEX
 
 
+def cross_entropy_sum(normed: torch.Tensor, lm_w: torch.Tensor, labels: torch.Tensor,
+                      softcap: float | None) -> torch.Tensor:
+    """Cross-entropy summed over one chunk's loss tokens, on fp32 logits (capped: cap * tanh(logits / cap),
+    Gemma 2/3): the training head's definition, which validation computes too."""
+    logits = (normed @ lm_w.t()).float()
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return torch.nn.functional.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
 def chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int,
                  softcap: float | None = None) -> tuple[torch.Tensor, float]:
     """The PyTorch head loss: per token chunk a matmul, cross-entropy on fp32 logits and autograd;
     adds the LM-head gradient to lm_grad; returns (d loss*norm_scale / d flat_n, unscaled loss sum).
     `softcap`: cap * tanh(logits / cap) before the loss (Gemma 2/3), on the fp32 logits."""
     d_normed = torch.zeros_like(flat_n)
-    loss_sum = 0.0
+    total = 0.0
     for lo in range(0, flat_n.shape[0], chunk):
         hi = min(lo + chunk, flat_n.shape[0])
         if not bool((flat_l[lo:hi] != IGNORE_INDEX).any()):
@@ -27,16 +37,12 @@ def chunked_loss(flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int,
         n_c = flat_n[lo:hi].detach().requires_grad_()
         w_c = lm_w.detach().requires_grad_()
         with torch.enable_grad():
-            logits = (n_c @ w_c.t()).float()
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
-            l_sum = torch.nn.functional.cross_entropy(logits, flat_l[lo:hi],
-                                                      ignore_index=IGNORE_INDEX, reduction="sum")
+            l_sum = cross_entropy_sum(n_c, w_c, flat_l[lo:hi], softcap)
         gn, gw = torch.autograd.grad(l_sum * norm_scale, [n_c, w_c])
         d_normed[lo:hi] = gn
         lm_grad.add_(gw)
-        loss_sum += float(l_sum.detach())
-    return d_normed, loss_sum
+        total += float(l_sum.detach())
+    return d_normed, total
 
 
 def fused_loss(fused_ce, flat_n, flat_l, lm_w, lm_grad, norm_scale: float, chunk: int) -> tuple[torch.Tensor, float]:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import torch
 
 from megatrain_cli.batch import IGNORE_INDEX, MicroBatch
+from megatrain_cli.engine.head import lm_weight
 from megatrain_cli.engine.inputs import step_inputs
+from megatrain_cli.engine.loss import cross_entropy_sum
 from megatrain_cli.engine.schedule import fetch_order
 from megatrain_cli.engine.templates import run_bound
 
@@ -77,22 +79,14 @@ def _head_loss(engine, h: list[torch.Tensor], labels: list[torch.Tensor]) -> tup
     adapter = engine.adapter
     w = engine.weight_views("head", engine.acquire("head"), grad=False)
     norm_w = {k[len("norm."):]: v for k, v in w.items() if k.startswith("norm.")}
-    if adapter.tied:
-        lm_w = engine.streamer.acquire("embed").view(adapter.vocab_size, -1)
-    else:
-        lm_w = w["lm_head.weight"]
-    loss_sum = torch.zeros((), dtype=torch.float32, device=engine.device)
+    lm_w = lm_weight(engine, w)
+    total = torch.zeros((), dtype=torch.float32, device=engine.device)
     tokens = torch.zeros((), dtype=torch.int64, device=engine.device)
-    softcap = adapter.logit_softcap
     for hid, lab in zip(h, labels):
         normed = run_bound(engine.norm_template, norm_w, hid)
         flat_n, flat_l = normed.reshape(-1, normed.shape[-1]), lab.reshape(-1)
         for lo in range(0, flat_n.shape[0], engine.chunk):
             hi = min(lo + engine.chunk, flat_n.shape[0])
-            logits = (flat_n[lo:hi] @ lm_w.t()).float()
-            if softcap is not None:
-                logits = torch.tanh(logits / softcap) * softcap
-            loss_sum += torch.nn.functional.cross_entropy(logits, flat_l[lo:hi], ignore_index=IGNORE_INDEX,
-                                                          reduction="sum")
+            total += cross_entropy_sum(flat_n[lo:hi], lm_w, flat_l[lo:hi], adapter.logit_softcap)
         tokens += (flat_l != IGNORE_INDEX).sum()
-    return loss_sum, tokens
+    return total, tokens
