@@ -12,7 +12,9 @@ model.* keys must stay the base's, the store is shared), and optimizer=false to 
 alone. --native runs the all-on-GPU baseline after the
 variants; --deepspeed the ZeRO-3 Offload one (the store freed first), in its watched child process: on a
 host too small for it, the row says when and at what RSS it was killed. Prints one table at the end;
-writes every result as JSON to --out.
+writes every result as JSON to --out, each variant's with the planner's prediction for the plan it ran
+(`predicted`: the step and the probe's figures; bench/predicted.py), so a planner check is one call, e.g.
+`--variant auto: --variant chosen:engine.checkpoint_interval=1,engine.keep_activations=1,engine.resident_layers=28`.
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def main() -> int:
         print(f"=== variant {name}: {overrides}", flush=True)
         frame = f"{args.frame_dir}/{label}-{name}.txt" if args.frame_dir else None
         try:
-            res = run_bench(r, BenchRun(steps=args.steps, frame=frame, optimizer=optimizer), store=store, log=log)
+            res = run_bench(r, BenchRun(steps=args.steps, frame=frame, optimizer=optimizer, predict=True), store=store,
+                            log=log)
         except DoesNotFit as err:
             print(f"variant {name}: {err}", flush=True)
             continue

@@ -28,6 +28,7 @@ def test_bench_variants_runs_each_variant_with_its_engine_settings(tmp_path):
     assert "host_adamw=cpp defer_moments=False" in results["cpp"]["notes"]
     assert (results["short"]["batch"], results["short"]["seq"]) == (1, 32)
     assert "steady state (timed steps 2..2" in results["torch"]["notes"]
+    assert all(r["predicted"]["step_s"] > 0 for r in results.values())  # the planner's, for each plan that ran
 
 
 def test_time_checkpoint_round_trips(tmp_path):
