@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from megatrain_cli.engine.plan.predict import GiB, Prediction, choose, fmt_s, interval_label, overrides
-from megatrain_cli.engine.plan.probe import MachineFigures, Probe, load_or_probe
+from megatrain_cli.engine.plan.probe import MachineFigures, Probe, load_or_probe, recipe_shape
 from megatrain_cli.recipe import Recipe
 
 ROWS = 8  # runners-up shown: enough to see the trade-off, short enough to read
@@ -27,8 +27,6 @@ def _err(message: str) -> None:
 def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None, clipped: bool = True,
              log=_err) -> int:
     """Probe (or read the cache), predict every candidate, print the choice and the table; the exit code."""
-    from megatrain_cli.engine import kernel_patch
-    from megatrain_cli.engine.plan.step_plan import DTYPES
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.models.tokenizer import load_tokenizer
     from megatrain_cli.train import preflight
@@ -45,8 +43,6 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
     # As a dry run: plan for the recipe's device even on a machine without it (the GPU parts are unknown).
     device = torch.device("cuda") if r.engine.device == "cuda" else resolve_device(r.engine.device)
     adapter = ModelAdapter(config)
-    dtype = DTYPES[r.model.dtype]
-    kernels = kernel_patch.resolve(r.engine.kernels, device)
     announced = []
 
     def progress(line: str) -> None:
@@ -55,8 +51,7 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
             announced.append(True)
         log(f"  {line}")
 
-    probe = load_or_probe(adapter, micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, dtype=dtype,
-                          device=device, kernels=kernels, cache_dir=cache_dir, reprobe=reprobe, log=progress)
+    probe = load_or_probe(adapter, **recipe_shape(r, device), cache_dir=cache_dir, reprobe=reprobe, log=progress)
     preds = choose(r, adapter, device, probe.machine, probe.layer, clipped=clipped)
     print(render(r, probe, preds, device))
     return 0 if preds and preds[0].fits else 3

@@ -17,16 +17,11 @@ from megatrain_cli.engine.plan.probe import Probe
 
 def probe_for(planned, *, cache_dir: str | Path | None = None, log=print) -> Probe:
     """This machine's figures and the layer's timing at the row's shape (measured now when not cached)."""
-    from megatrain_cli.engine import kernel_patch
-    from megatrain_cli.engine.plan.probe import load_or_probe
-    from megatrain_cli.engine.plan.step_plan import DTYPES
+    from megatrain_cli.engine.plan.probe import load_or_probe, recipe_shape
     from megatrain_cli.models.adapter import ModelAdapter
 
-    r, device = planned.r, planned.device
-    return load_or_probe(ModelAdapter(planned.config), micro_batch_size=r.train.micro_batch_size,
-                         seq_len=r.train.seq_len, dtype=DTYPES[r.model.dtype], device=device,
-                         kernels=kernel_patch.resolve(r.engine.kernels, device), cache_dir=cache_dir,
-                         log=lambda line: log(f"[bench] {line}"))
+    return load_or_probe(ModelAdapter(planned.config), **recipe_shape(planned.r, planned.device),
+                         cache_dir=cache_dir, log=lambda line: log(f"[bench] {line}"))
 
 
 def predicted_row(planned, probe: Probe, *, clipped: bool) -> dict:

@@ -12,14 +12,10 @@ import torch
 def prediction(r, adapter, device: torch.device, plan, cache_dir=None):
     """The Prediction for `plan` from the cached probe (a clipped step when train.max_grad_norm is set), or
     None when this machine was never probed."""
-    from megatrain_cli.engine import kernel_patch
     from megatrain_cli.engine.plan.predict import predict_plan
-    from megatrain_cli.engine.plan.probe import read_cached
-    from megatrain_cli.engine.plan.step_plan import DTYPES
+    from megatrain_cli.engine.plan.probe import read_cached, recipe_shape
 
-    probe = read_cached(adapter, micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len,
-                        dtype=DTYPES[r.model.dtype], device=device,
-                        kernels=kernel_patch.resolve(r.engine.kernels, device), cache_dir=cache_dir)
+    probe = read_cached(adapter, **recipe_shape(r, device), cache_dir=cache_dir)
     if probe is None:
         return None
     return predict_plan(r, adapter, device, plan, probe.machine, probe.layer,

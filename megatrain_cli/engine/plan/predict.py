@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures
+from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures, recipe_shape
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
 from megatrain_cli.store.tiles import HostStore
 
@@ -255,7 +255,7 @@ def _planned(r, adapter, device, cand_engine: dict, budget):
 def predict_plan(r, adapter, device: torch.device, plan, fig: MachineFigures, layer: LayerTiming | None, *,
                  clipped: bool = True) -> Prediction:
     """The prediction for the plan `plan_step` made for `r` (what bench and train compare with the measured)."""
-    model = ModelFigures.of(adapter, torch.bfloat16 if r.model.dtype == "bf16" else torch.float32)
+    model = ModelFigures.of(adapter, recipe_shape(r, device)["dtype"])
     return predict(fig, layer, model, shape_of(r, device, clipped=clipped), candidate_of(plan, device))
 
 
@@ -291,7 +291,7 @@ def choose(r, adapter, device: torch.device, fig: MachineFigures, layer: LayerTi
     (its own fallback and long-context choices included) is always among them."""
     from megatrain_cli.engine.plan.step_plan import device_budget
 
-    model = ModelFigures.of(adapter, torch.bfloat16 if r.model.dtype == "bf16" else torch.float32)
+    model = ModelFigures.of(adapter, recipe_shape(r, device)["dtype"])
     shape = shape_of(r, device, clipped=clipped)
     budget = device_budget(r, device)
     resident = resident if resident is not None else resident_options(r, model.num_layers, device)

@@ -331,6 +331,16 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def recipe_shape(r, device: torch.device) -> dict:
+    """The layer-timing keys of recipe `r` on `device` (micro-batch, sequence, compute dtype, the kernels the
+    engine will run): what `plan`, `bench` and `train` pass to load_or_probe / read_cached."""
+    from megatrain_cli.engine import kernel_patch
+    from megatrain_cli.engine.plan.step_plan import DTYPES
+
+    return dict(micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, dtype=DTYPES[r.model.dtype],
+                device=device, kernels=kernel_patch.resolve(r.engine.kernels, device))
+
+
 def read_cached(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                 kernels: str = "torch", cache_dir: Path | str | None = None) -> Probe | None:
     """The cached figures of this machine and, when cached too, the layer's timing at this shape; None when
