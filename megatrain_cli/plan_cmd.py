@@ -51,7 +51,15 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
             announced.append(True)
         log(f"  {line}")
 
-    probe = load_or_probe(adapter, **recipe_shape(r, device), cache_dir=cache_dir, reprobe=reprobe, log=progress)
+    from megatrain_cli.engine.layer_probe import measure_layer
+    from megatrain_cli.engine.plan.step_plan import plan_step
+
+    try:  # the recipe as written: its lean plan (if any) is how the engine runs the probed layer
+        as_written = plan_step(r, adapter, device)
+    except ValueError:
+        as_written = None  # no plan serves it: choose() below says why
+    probe = load_or_probe(adapter, measure_layer=measure_layer, **recipe_shape(r, device, as_written),
+                          cache_dir=cache_dir, reprobe=reprobe, log=progress)
     preds = choose(r, adapter, device, probe.machine, probe.layer, clipped=clipped)
     print(render(r, probe, preds, device))
     return 0 if preds and preds[0].fits else 3
@@ -96,8 +104,10 @@ def probe_lines(m: MachineFigures, probe: Probe) -> list[str]:
              f"  bf16 GEMM {g(m.gemm_tflops, 'TFLOP/s', 1.0, '.0f')}, device memory {g(m.device_gbps, 'GB/s', 1.0, '.0f')}"]
     if probe.layer is not None:
         lt = probe.layer
-        lines.append(f"  one decoder layer, {lt.tokens} tokens on {lt.device}: forward {lt.forward_s * 1e3:.2f} ms, "
-                     f"backward {lt.backward_s * 1e3:.2f} ms")
+        head = "from the layer's FLOP rate" if lt.head_s is None else f"{lt.head_s * 1e3:.2f} ms"
+        lines.append(f"  the engine's ops at {lt.tokens} tokens on {lt.device}, per layer: forward "
+                     f"{lt.forward_s * 1e3:.2f} ms, with autograd {lt.recorded * 1e3:.2f} ms, backward "
+                     f"{lt.backward_s * 1e3:.2f} ms; head {head}; inputs + embedding backward {lt.fixed_s * 1e3:.2f} ms")
     return lines
 
 

@@ -23,6 +23,10 @@ LAYER = LayerTiming(forward_s=0.030, backward_s=0.060, tokens=32768, device="cud
 MODEL = ModelFigures(num_layers=8, layer_params=2e8, head_params=int(5e8), embed_params=int(5e8),
                      lm_head_params=int(5e8), hidden=4096, width=2)
 SHAPE = StepShape(micro_batch_size=8, seq_len=4096, grad_accum=2)
+# A GPU-bound machine (host and link far faster than the compute): every phase is GPU time alone.
+QUICK = dataclasses.replace(FIG, h2d_gbps=1e4, d2h_gbps=1e4, duplex_gbps=1e4, adamw_params_per_s=1e13,
+                            adamw_under_dma_params_per_s=1e13, emit_params_per_s=1e13,
+                            emit_under_dma_params_per_s=1e13, cast_elems_per_s=1e13)
 SMALL = dict(tile_bytes=1 << 20, link_bytes=1 << 20, gemm_n=256, reps=1)  # a probe in well under a second
 
 
@@ -46,10 +50,7 @@ def test_doubling_the_link_halves_the_pcie_term():
 
 
 def test_recompute_adds_the_forward_of_the_recomputed_layers():
-    # A GPU-bound step (host and link far faster than the compute): the backward is GPU time alone.
-    quick = dataclasses.replace(FIG, h2d_gbps=1e4, d2h_gbps=1e4, duplex_gbps=1e4, adamw_params_per_s=1e13,
-                                adamw_under_dma_params_per_s=1e13, emit_params_per_s=1e13,
-                                emit_under_dma_params_per_s=1e13, cast_elems_per_s=1e13)
+    quick = QUICK
     blocks = 2  # 8 layers, interval 4
     none_kept = predict(quick, LAYER, MODEL, SHAPE, Candidate(4, 0, 0))
     one_kept = predict(quick, LAYER, MODEL, SHAPE, Candidate(4, 1, 0))
@@ -59,6 +60,22 @@ def test_recompute_adds_the_forward_of_the_recomputed_layers():
     assert one_kept.phases["backward"] - all_kept.phases["backward"] == pytest.approx(4 * f)
     assert none_kept.parts["gpu"] - all_kept.parts["gpu"] == pytest.approx(8 * f)
     assert none_kept.phases["forward"] == pytest.approx(all_kept.phases["forward"])
+
+
+def test_the_engines_own_op_timings_drive_the_gpu_terms():
+    """A recomputed layer costs its forward WITH autograd in the backward, a kept block's forward is that
+    recorded forward too, the head is the probed head, and the step's fixed work is counted once."""
+    timed = dataclasses.replace(LAYER, recorded_s=0.040, head_s=0.050, fixed_s=0.005)
+    a, layers = SHAPE.grad_accum, MODEL.num_layers
+    none_kept = predict(QUICK, timed, MODEL, SHAPE, Candidate(4, 0, 0))
+    all_kept = predict(QUICK, timed, MODEL, SHAPE, Candidate(4, 2, 0))
+    assert none_kept.phases["backward"] - all_kept.phases["backward"] == pytest.approx(layers * 0.040 * a)
+    assert all_kept.phases["backward"] == pytest.approx(layers * 0.060 * a + 0.005 * a)
+    assert all_kept.phases["forward"] - none_kept.phases["forward"] == pytest.approx(layers * (0.040 - 0.030) * a)
+    assert none_kept.phases["head"] == pytest.approx(0.050 * a)
+    untimed_head = predict(QUICK, LAYER, MODEL, SHAPE, Candidate(4, 0, 0))  # an older cache: the FLOP-rate head
+    assert untimed_head.phases["head"] == pytest.approx(6 * MODEL.lm_head_params * 8 * 4096 * a /
+                                                        (6 * MODEL.layer_params * LAYER.tokens / 0.090))
 
 
 def test_a_clipped_step_waits_for_the_host_update_in_the_forward():
@@ -124,14 +141,20 @@ def tiny_adapter():
 
 
 def test_layer_timing_is_cached_by_shape_and_tokens(tmp_path, tiny_adapter):
+    from megatrain_cli.engine.layer_probe import measure_layer
+
     args = dict(micro_batch_size=2, seq_len=32, dtype=torch.float32, device=torch.device("cpu"), cache_dir=tmp_path,
-                machine_args=SMALL)
+                machine_args=SMALL, measure_layer=measure_layer)
     first = pb.load_or_probe(tiny_adapter, **args)
     assert first.measured == ["machine", "layer"]
-    assert first.layer.tokens == 64 and first.layer.forward_s > 0 and first.layer.backward_s >= 0
+    lt = first.layer
+    assert lt.tokens == 64 and min(lt.forward_s, lt.recorded_s, lt.backward_s, lt.head_s, lt.fixed_s) > 0
     assert pb.load_or_probe(tiny_adapter, **args).measured == []
     longer = pb.load_or_probe(tiny_adapter, **{**args, "seq_len": 64})
     assert longer.measured == ["layer"] and longer.layer.tokens == 128
+    other_chunk = pb.load_or_probe(tiny_adapter, **{**args, "loss_chunk_tokens": 16})  # the head runs otherwise
+    assert other_chunk.measured == ["layer"]
+    assert pb.load_or_probe(tiny_adapter, **{**args, "measure_layer": None, "seq_len": 16}).layer is None
     # a CUDA recipe planned on a machine without CUDA: the layer stays unknown, nothing is measured
     if not torch.cuda.is_available():
         gpu = pb.load_or_probe(tiny_adapter, **{**args, "device": torch.device("cuda")})
@@ -148,7 +171,7 @@ def test_plan_command_prints_the_choice_and_the_table(tmp_path):
     assert "interval" in out and "s/step" in out and "resident" in out and "dev GiB" in out
     rows = [line for line in out.splitlines() if line.rstrip().endswith(("yes", "no"))]
     assert len(rows) >= 2 and rows[0].startswith("*")
-    assert "one decoder layer, 128 tokens on cpu" in out  # the layer was timed at the recipe's shape
+    assert "the engine's ops at 128 tokens on cpu, per layer: forward" in out  # timed at the recipe's shape
     assert "Traceback" not in out
 
 
@@ -190,9 +213,13 @@ def test_cuda_probe_measures_the_device(tmp_path):
 def test_cuda_plan_predicts_a_whole_step(tmp_path, tiny_adapter):
     from megatrain_cli.recipe import load_recipe
 
-    probe = pb.load_or_probe(tiny_adapter, micro_batch_size=2, seq_len=256, dtype=torch.bfloat16,
-                             device=torch.device("cuda"), cache_dir=tmp_path, machine_args=dict(gemm_n=4096))
+    from megatrain_cli.engine.layer_probe import measure_layer
+
+    probe = pb.load_or_probe(tiny_adapter, micro_batch_size=2, seq_len=256, dtype=torch.bfloat16, loss_chunk_tokens=8192,
+                             device=torch.device("cuda"), cache_dir=tmp_path, machine_args=dict(gemm_n=4096),
+                             measure_layer=measure_layer)
     assert probe.layer is not None and probe.layer.device == "cuda" and probe.layer.forward_s > 0
+    assert probe.layer.head_s > 0 and probe.layer.recorded_s > 0
     r = load_recipe(TINY, ["engine.device=cuda", "model.dtype=bf16", "train.micro_batch_size=2", "train.seq_len=256"])
     preds = pr.choose(r, tiny_adapter, torch.device("cuda"), probe.machine, probe.layer)
     assert preds[0].fits and preds[0].total is not None and preds[0].total > 0
@@ -222,8 +249,10 @@ def test_train_reads_the_cached_probe_and_measures_nothing(tmp_path, monkeypatch
     assert prediction(r, adapter, device, plan, cache_dir=tmp_path) is None
     assert describe(None).startswith("planner: no probe of this machine cached; `megatrain plan RECIPE`")
     assert not measured
-    probe_mod.load_or_probe(adapter, micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len,
-                            dtype=torch.float32, device=device, cache_dir=tmp_path)
+    from megatrain_cli.engine.layer_probe import measure_layer
+
+    probe_mod.load_or_probe(adapter, measure_layer=measure_layer, **probe_mod.recipe_shape(r, device, plan),
+                            cache_dir=tmp_path)
     assert len(measured) == 1
     pred = prediction(r, adapter, device, plan, cache_dir=tmp_path)
     assert pred is not None and pred.total > 0 and len(measured) == 1

@@ -17,11 +17,13 @@ from megatrain_cli.engine.plan.probe import Probe
 
 def probe_for(planned, *, cache_dir: str | Path | None = None, log=print) -> Probe:
     """This machine's figures and the layer's timing at the row's shape (measured now when not cached)."""
+    from megatrain_cli.engine.layer_probe import measure_layer
     from megatrain_cli.engine.plan.probe import load_or_probe, recipe_shape
     from megatrain_cli.models.adapter import ModelAdapter
 
-    return load_or_probe(ModelAdapter(planned.config), **recipe_shape(planned.r, planned.device),
-                         cache_dir=cache_dir, log=lambda line: log(f"[bench] {line}"))
+    return load_or_probe(ModelAdapter(planned.config), measure_layer=measure_layer,
+                         **recipe_shape(planned.r, planned.device, planned.plan), cache_dir=cache_dir,
+                         log=lambda line: log(f"[bench] {line}"))
 
 
 def predicted_row(planned, probe: Probe, *, clipped: bool) -> dict:

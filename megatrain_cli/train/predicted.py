@@ -15,7 +15,7 @@ def prediction(r, adapter, device: torch.device, plan, cache_dir=None):
     from megatrain_cli.engine.plan.predict import predict_plan
     from megatrain_cli.engine.plan.probe import read_cached, recipe_shape
 
-    probe = read_cached(adapter, **recipe_shape(r, device), cache_dir=cache_dir)
+    probe = read_cached(adapter, **recipe_shape(r, device, plan), cache_dir=cache_dir)
     if probe is None:
         return None
     return predict_plan(r, adapter, device, plan, probe.machine, probe.layer,

@@ -16,8 +16,11 @@ host AdamW in its own thread), so a phase lasts as long as its slowest resource:
     serial    the embedding's update before the next forward gathers its rows; without the optimizer
               thread (overlap_optimizer off, or on the CPU) every update, after the backward
 
-GPU times come from ONE probed layer (forward, backward per micro-batch) times layers x micro-batches; the
-head from the layer's achieved FLOP rate over the head's 6 x vocab x hidden x tokens. PCIe: weights cross
+GPU times come from the probe's timing of the engine's own ops (engine/layer_probe.py), per micro-batch times
+micro-batches: a streamed layer's forward, a recorded forward (each recomputed layer's, and a kept block's
+forward), each layer's backward, the head, and the step's fixed work (inputs, embedding backward; counted in
+the backward). A timing without a head figure (older caches) takes the head from the layer's FLOP rate over
+6 x vocab x hidden x tokens. PCIe: weights cross
 at the compute dtype's width per parameter per transfer (schedule.transfers_per_layer: forward, recompute,
 and again for a backward whose weights left the slots), gradients once. Host work is bytes per parameter
 over the host bandwidth the AdamW pass reached in the probe (while the DMA engines were busy where they are
@@ -139,18 +142,26 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
 
     # ---- GPU
     f = layer.forward_s * A if layer else None  # one layer, all micro-batches
+    rec = layer.recorded * A if layer else None  # with autograd: a recompute, or a kept block's forward
     b = layer.backward_s * A if layer else None
+    kept_layers = {i for k in kept for i in bl[k]}
     tokens = shape.micro_batch_size * shape.seq_len * A
-    head_flops = 6.0 * model.lm_head_params * tokens
     rate = None  # FLOP/s the probed layer reached (the head is matmul-bound as the layer is)
     if layer and layer.forward_s + layer.backward_s > 0:
-        rate = 6.0 * P * layer.tokens / (layer.forward_s + layer.backward_s)
+        rate = 6.0 * P * layer.tokens / (layer.recorded + layer.backward_s)
     elif fig.gemm_tflops and cuda:
         rate = fig.gemm_tflops * 1e12
-    gpu_head = head_flops / rate if rate else None
+    if layer is not None and layer.head_s is not None:
+        gpu_head = layer.head_s * A
+    else:
+        gpu_head = 6.0 * model.lm_head_params * tokens / rate if rate else None
     gpu_resident = ((R * P + model.head_params) * RESIDENT_UPDATE_B / (fig.device_gbps * 1e9)
                     if R and fig.device_gbps else 0.0 if not R else None)
-    gpu_bwd = None if f is None or b is None or gpu_resident is None else recomputed * f + L * b + gpu_resident
+    gpu_bwd = None if f is None or b is None or gpu_resident is None else \
+        recomputed * rec + L * b + gpu_resident + layer.fixed_s * A
+
+    def fwd(i: int) -> float:  # layer i's forward on the GPU
+        return rec if i in kept_layers else f
 
     # ---- PCIe
     link = {k: getattr(fig, k) for k in ("h2d_gbps", "d2h_gbps", "duplex_gbps")}
@@ -197,9 +208,9 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     forward = head_phase = backward = None
     if f is not None and h2d_layer is not None:
         if cuda:
-            forward = S * max(f, prep, h2d_layer) + R * f
+            forward = sum(max(fwd(i), prep, h2d_layer) for i in streamed) + sum(fwd(i) for i in res)
         else:  # the reference streamer casts synchronously, then the layer computes
-            forward = L * (f + prep)
+            forward = sum(fwd(i) for i in range(L)) + L * prep
     head_prep = head * (prep / P)
     if gpu_head is not None and head_h2d is not None:
         head_phase = max(gpu_head, head_prep, head_h2d) if cuda else gpu_head + head_prep
@@ -215,7 +226,8 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
         serial = host(S * P + head + model.embed_params, UPDATE_B, 0.0)
 
     phases = {"forward": forward, "head": head_phase, "backward": backward, "serial": serial}
-    gpu = None if f is None or gpu_head is None or gpu_bwd is None else L * f + gpu_head + gpu_bwd
+    gpu = None if f is None or gpu_head is None or gpu_bwd is None else \
+        sum(fwd(i) for i in range(L)) + gpu_head + gpu_bwd
     pcie = None if fwd_pcie is None else fwd_pcie + bwd_pcie + (head_h2d or 0.0)
     host_work = S * prep + head_prep + bwd_host + serial
     total = None if any(v is None for v in phases.values()) else sum(phases.values())

@@ -9,16 +9,17 @@ What predict.py needs and nothing else:
               after a clipped step); the packer's fp32 -> bf16 cast into pinned memory, elements/s
     device    bf16 GEMM TFLOP/s (an N x N x N matmul) and device memory bandwidth (a device-to-device
               copy: what an AdamW over resident layers is bound by)
-    layer     one decoder layer's forward (no autograd, as the engine's forward) and backward (forward
-              with autograd + backward, less the forward) at the recipe's micro-batch x sequence, per
-              micro-batch, built from the adapter's template with random weights on the device; a model
-              whose layers differ in structure (sliding / full attention) times one of each and averages
-              them by count
+    layer     the engine's own ops at the recipe's micro-batch x sequence, per micro-batch: a layer's
+              forward (no autograd), its recorded forward (autograd: a recompute, or a kept block's
+              forward), its backward, the head, and the step's fixed work (inputs, embedding backward);
+              measured by engine/layer_probe.py (the engine cannot be imported from here, so callers pass
+              its `measure_layer` to load_or_probe) over one layer of each structure, weighted by count
 
 On a machine without CUDA the link and device figures are None (unknown) and the layer is timed only when
 the recipe computes on the CPU. The cache is one JSON file per machine (`cache_key`: host name, GPU name,
 torch version) under the user's cache directory; layer timings sit in it under their own key (model shape,
-tokens, dtype, device, kernels). `load_or_probe(..., reprobe=True)` measures again and replaces the file.
+tokens, dtype, device, kernels, loss chunk, lean plan). `load_or_probe(..., reprobe=True)` measures again and
+replaces the file.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Callable
 
 import torch
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: layer timings measured through the engine (recorded forward, head, fixed)
 # Bytes of host memory traffic per parameter of the measured HostAdamW.update (optim/adamw_cpp.py: the C++
 # pass reads p, m, v and a bf16 g and writes p, m, v; the torch path also widens g through fp32 scratch).
 UPDATE_BYTES = {"cpp": 26.0, "torch": 34.0}
@@ -45,12 +46,20 @@ UPDATE_BYTES = {"cpp": 26.0, "torch": 34.0}
 
 @dataclass
 class LayerTiming:
-    """Seconds per decoder layer per micro-batch (the mean over the model's layers)."""
+    """Seconds per micro-batch as the engine runs them: per decoder layer (the mean over the model's layers),
+    the head, and the step's fixed work."""
 
-    forward_s: float
-    backward_s: float  # backward alone: the recompute's forward is forward_s again
+    forward_s: float  # the forward without autograd (a streamed step's forward)
+    backward_s: float  # the backward op alone
     tokens: int  # micro_batch_size x seq_len
     device: str
+    recorded_s: float | None = None  # the forward with autograd (a recompute, a kept block's forward); None: forward_s
+    head_s: float | None = None  # final norm + chunked loss, forward and backward; None: from the layer's FLOP rate
+    fixed_s: float = 0.0  # the step's inputs (embedding rows, masks) and the embedding's backward
+
+    @property
+    def recorded(self) -> float:
+        return self.forward_s if self.recorded_s is None else self.recorded_s
 
 
 @dataclass
@@ -120,16 +129,20 @@ def cache_key() -> str:
 
 
 def layer_key(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
-              kernels: str) -> str:
-    """The model's layer shapes (every distinct structure), its attention code and the step's shape: a layer
-    timing is reused only for the same work. Stable across processes (hashlib, not hash())."""
+              kernels: str, loss_chunk_tokens: int = 4096, lean=None) -> str:
+    """The model's layer shapes (every distinct structure), its attention code, its head, the step's shape and
+    how the engine runs it (kernels, loss chunk, a lean plan's MLP chunk and norms): a layer timing is reused
+    only for the same work. Stable across processes (hashlib, not hash())."""
     cfg = adapter.config
     shapes = sorted({json.dumps([(s.name, s.shape) for s in adapter.layer_specs(i)]) for i in range(adapter.num_layers)})
     what = json.dumps([adapter.model_type, getattr(cfg, "_attn_implementation", None), adapter.layer_types, shapes,
-                       getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None)])
+                       getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None),
+                       adapter.vocab_size, adapter.tied])
     digest = hashlib.sha1(what.encode()).hexdigest()[:12]
+    way = f"loss{loss_chunk_tokens}" if lean is None else \
+        f"lean-loss{lean.loss_chunk_tokens}-mlp{lean.mlp_chunk_tokens or 0}{'-norms' if lean.lean_norms else ''}"
     return (f"{adapter.model_type}-{digest}-{micro_batch_size}x{seq_len}-{str(dtype).removeprefix('torch.')}-"
-            f"{device.type}-{kernels}")
+            f"{device.type}-{kernels}-{way}")
 
 
 # ------------------------------------------------------------------ timing helpers
@@ -255,64 +268,6 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
     return fig
 
 
-# ------------------------------------------------------------------ one decoder layer
-def _real_layer(adapter, index: int, device: torch.device, dtype: torch.dtype):
-    """Layer `index` built from the adapter's template with random weights on `device` (timing, not math)."""
-    layer = adapter.make_layer_template(index).to_empty(device=device)
-    std = adapter.init_std()
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.normal_(0.0, std) if p.dim() >= 2 else p.fill_(1.0)
-    return layer.to(dtype).train()
-
-
-def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
-                  kernels: str = "torch", reps: int = 3) -> LayerTiming:
-    """One decoder layer (one of each structure) at micro_batch_size x seq_len: forward without autograd
-    (the engine's forward), forward with autograd + backward; backward_s = the difference."""
-    cuda = device.type == "cuda"
-    b, t, h = micro_batch_size, seq_len, adapter.hidden_size
-    inputs = adapter.make_layer_inputs(device)
-    embeds = torch.randn(b, t, h, device=device, dtype=dtype)
-    call = inputs(embeds, torch.arange(t, device=device).expand(b, t))
-    groups: dict[str, list[int]] = {}
-    for i in range(adapter.num_layers):
-        groups.setdefault(json.dumps([adapter.layer_types[i], [(s.name, s.shape) for s in adapter.layer_specs(i)]]),
-                          []).append(i)
-    fwd_total = bwd_total = 0.0
-    for members in groups.values():
-        i = members[0]
-        layer = _real_layer(adapter, i, device, dtype)
-        if kernels == "triton":
-            from megatrain_cli.engine import kernel_patch
-
-            kernel_patch.install_kernels(layer)
-        kwargs = call.kwargs[i]
-        x = call.hidden.detach()
-
-        def first(out):
-            return out[0] if isinstance(out, (tuple, list)) else out
-
-        def forward():
-            with torch.no_grad():
-                first(layer(x, **kwargs))
-
-        def forward_backward():
-            xg = x.detach().requires_grad_()
-            y = first(layer(xg, **kwargs))
-            y.backward(torch.ones_like(y))
-
-        f = _timed(forward, reps=reps, cuda=cuda)
-        fb = _timed(forward_backward, reps=reps, cuda=cuda)
-        fwd_total += f * len(members)
-        bwd_total += max(0.0, fb - f) * len(members)
-        del layer
-    if cuda:
-        torch.cuda.empty_cache()
-    n = adapter.num_layers
-    return LayerTiming(forward_s=fwd_total / n, backward_s=bwd_total / n, tokens=b * t, device=device.type)
-
-
 # ------------------------------------------------------------------ the cache
 def _read(path: Path) -> dict | None:
     try:
@@ -331,39 +286,38 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def recipe_shape(r, device: torch.device) -> dict:
+def recipe_shape(r, device: torch.device, plan=None) -> dict:
     """The layer-timing keys of recipe `r` on `device` (micro-batch, sequence, compute dtype, the kernels the
-    engine will run): what `plan`, `bench` and `train` pass to load_or_probe / read_cached."""
+    engine will run, its loss chunk, and `plan`'s lean plan when it has one): what `plan`, `bench` and `train`
+    pass to load_or_probe / read_cached."""
     from megatrain_cli.engine import kernel_patch
     from megatrain_cli.engine.plan.step_plan import DTYPES
 
     return dict(micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, dtype=DTYPES[r.model.dtype],
-                device=device, kernels=kernel_patch.resolve(r.engine.kernels, device))
+                device=device, kernels=kernel_patch.resolve(r.engine.kernels, device),
+                loss_chunk_tokens=r.engine.loss_chunk_tokens, lean=getattr(plan, "lean", None))
 
 
-def read_cached(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
-                kernels: str = "torch", cache_dir: Path | str | None = None) -> Probe | None:
-    """The cached figures of this machine and, when cached too, the layer's timing at this shape; None when
-    the machine was never probed. Measures nothing (what `train` and `--dry-run` read: `plan` and `bench`
-    probe)."""
+def read_cached(adapter, *, cache_dir: Path | str | None = None, **shape) -> Probe | None:
+    """The cached figures of this machine and, when cached too, the layer's timing at `shape` (recipe_shape's
+    keys); None when the machine was never probed. Measures nothing (what `train` and `--dry-run` read:
+    `plan` and `bench` probe)."""
     path = Path(cache_dir or default_cache_dir()) / f"{cache_key()}.json"
     data = _read(path)
     if data is None:
         return None
     machine = MachineFigures(**{k: v for k, v in data["machine"].items() if k in MachineFigures.__dataclass_fields__})
-    key = layer_key(adapter, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
-                    kernels=kernels)
-    cached = data["layers"].get(key)
+    cached = data["layers"].get(layer_key(adapter, **shape))
     return Probe(machine, LayerTiming(**cached) if cached is not None else None, path)
 
 
-def load_or_probe(adapter=None, *, micro_batch_size: int = 1, seq_len: int = 1, dtype: torch.dtype = torch.bfloat16,
-                  device: torch.device | None = None, kernels: str = "torch", cache_dir: Path | str | None = None,
-                  reprobe: bool = False, log: Callable[[str], None] | None = None,
-                  machine_args: dict | None = None) -> Probe:
+def load_or_probe(adapter=None, *, measure_layer: Callable[..., LayerTiming] | None = None,
+                  cache_dir: Path | str | None = None, reprobe: bool = False, log: Callable[[str], None] | None = None,
+                  machine_args: dict | None = None, **shape) -> Probe:
     """The cached figures of this machine (measured first when missing, or with `reprobe`), and, given an
-    adapter, its layer timing at micro_batch_size x seq_len on `device` (measured when missing; None for a
-    CUDA device on a machine without CUDA). `machine_args`: measure_machine's sizes (tests make them small)."""
+    adapter, its layer timing at `shape` (recipe_shape's keys): from the cache, else measured by
+    `measure_layer(adapter, **shape)` (engine/layer_probe.measure_layer) when given and the device is here,
+    else None. `machine_args`: measure_machine's sizes (tests make them small)."""
     path = Path(cache_dir or default_cache_dir()) / f"{cache_key()}.json"
     data = None if reprobe else _read(path)
     measured = []
@@ -374,17 +328,17 @@ def load_or_probe(adapter=None, *, micro_batch_size: int = 1, seq_len: int = 1, 
     machine = MachineFigures(**{k: v for k, v in data["machine"].items() if k in MachineFigures.__dataclass_fields__})
     layer = None
     if adapter is not None:
-        device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        key = layer_key(adapter, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype, device=device,
-                        kernels=kernels)
+        shape = {"micro_batch_size": 1, "seq_len": 1, "dtype": torch.bfloat16, "kernels": "torch", **shape}
+        shape["device"] = shape.get("device") or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        key = layer_key(adapter, **shape)
         cached = data["layers"].get(key)
         if cached is not None:
             layer = LayerTiming(**cached)
-        elif device.type != "cuda" or torch.cuda.is_available():
+        elif measure_layer is not None and (shape["device"].type != "cuda" or torch.cuda.is_available()):
             if log:
-                log(f"probe: one decoder layer at {micro_batch_size} x {seq_len} tokens on {device.type}")
-            layer = measure_layer(adapter, micro_batch_size=micro_batch_size, seq_len=seq_len, dtype=dtype,
-                                  device=device, kernels=kernels)
+                log(f"probe: the engine's ops at {shape['micro_batch_size']} x {shape['seq_len']} tokens on "
+                    f"{shape['device'].type} (one layer of each structure)")
+            layer = measure_layer(adapter, **shape)
             data["layers"][key] = asdict(layer)
             measured.append("layer")
     if measured:

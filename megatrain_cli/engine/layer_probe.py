@@ -1,0 +1,123 @@
+"""The planner's layer timing, measured through the engine's own code (issue #22).
+
+A decoder layer timed as a bare HF module runs faster than the engine runs it: the engine binds the
+weights into a template, redirects saved tensors to its tiles, takes the gradients with autograd.grad and
+sums them in an fp32 accumulator, and its head is the chunked (or fused Triton) cross-entropy, not a GEMM at
+the layer's rate. So the probe builds the engine itself over a model cut to one layer of each structure
+(sliding / full attention), every layer and the head resident on the GPU (no streaming: what is timed is
+the GPU's work), and times each op of real steps with CUDA events recorded as the engine issues them.
+
+Cost: a host store of the cut model (the embedding and the LM head at full size, 14 B/param), the device
+memory of its resident state and one micro-batch's activations, and warm-up + `reps` forward/backward
+passes; everything is freed before the caller builds its own store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+
+import torch
+
+from megatrain_cli.batch import MicroBatch
+from megatrain_cli.engine.plan.lean import LeanPlan
+from megatrain_cli.engine.plan.probe import LayerTiming
+from megatrain_cli.engine.step import Engine
+from megatrain_cli.recipe import TrainConfig
+
+
+def cut_config(adapter):
+    """The model's config with one decoder layer of each distinct structure, in the order they first occur,
+    and for each the number of the model's layers it stands for."""
+    types = adapter.layer_types
+    distinct = list(dict.fromkeys(types))
+    data = adapter.config.to_dict()
+    data["num_hidden_layers"] = len(distinct)
+    if getattr(adapter.config, "layer_types", None) is not None:
+        data["layer_types"] = distinct
+    else:
+        data.pop("layer_types", None)
+    return type(adapter.config).from_dict(data), [types.count(t) for t in distinct]
+
+
+class OpClock:
+    """Seconds of each op of one step as the device runs it: a CUDA event after each op's launches (the
+    engine's on_op hook), read after the step; the host runs ahead, so the gap between two events is the
+    device's time for the op between them, launch stalls included. On the CPU ops are synchronous and the
+    host clock is the device's."""
+
+    def __init__(self, engine: Engine):
+        self.cuda = engine.device.type == "cuda"
+        self.marks: list[tuple[object, object]] = []
+        engine.on_op = self._on_op
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def start(self) -> None:
+        self.marks = [("start", self._now())]
+
+    def _on_op(self, op) -> None:
+        self.marks.append((op, self._now()))
+
+    def durations(self) -> list[tuple[object, float]]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            gap = lambda a, b: a.elapsed_time(b) / 1e3  # noqa: E731
+        else:
+            gap = lambda a, b: b - a  # noqa: E731
+        return [(op, gap(prev, now)) for (_, prev), (op, now) in zip(self.marks, self.marks[1:])]
+
+
+def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+                  kernels: str = "torch", loss_chunk_tokens: int = 4096, lean: LeanPlan | None = None,
+                  reps: int = 3, warmup: int = 1, seed: int = 0) -> LayerTiming:
+    """The engine's per-layer, head and fixed times at micro_batch_size x seq_len (one micro-batch), the
+    layers weighted by how many of the model's layers each stands for. `lean`: the recipe's lean plan
+    (MLP chunk, lean norms, loss chunk), run here with no checkpoint offloaded."""
+    from megatrain_cli.models.loader import build_store
+
+    config, counts = cut_config(adapter)
+    cuda = device.type == "cuda"
+    store = build_store(config, dtype, seed=seed)
+    plan = dataclasses.replace(lean, offloaded_checkpoints=0) if lean is not None else None
+    engine = Engine(store, TrainConfig(), device=device, checkpoint_interval=1, loss_chunk_tokens=loss_chunk_tokens,
+                    kernels=kernels, long_context=plan, resident_layers=len(counts) if cuda else 0, grad_slabs=2)
+    clock = OpClock(engine)
+    vocab = engine.adapter.vocab_size
+    samples: dict[str, list[float]] = {}
+    try:
+        for s in range(warmup + reps):
+            ids = torch.randint(0, vocab, (micro_batch_size, seq_len), generator=torch.Generator().manual_seed(s))
+            clock.start()
+            engine.forward_backward([MicroBatch(ids, ids.clone())])
+            if s < warmup:
+                continue
+            per = {}
+            for op, took in clock.durations():
+                key = "fixed" if op is None or op.kind == "embed_backward" else \
+                    "head" if op.kind == "head" else f"{op.kind}.{op.layer}"
+                per[key] = per.get(key, 0.0) + took
+            for key, took in per.items():
+                samples.setdefault(key, []).append(took)
+    finally:
+        engine.close()
+        del engine, store
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    n = sum(counts)
+
+    def per_layer(kind: str) -> float:
+        return sum(c * med.get(f"{kind}.{i}", 0.0) for i, c in enumerate(counts)) / n
+
+    return LayerTiming(forward_s=per_layer("forward"), backward_s=per_layer("backward"),
+                       tokens=micro_batch_size * seq_len, device=device.type, recorded_s=per_layer("recompute"), head_s=med.get("head", 0.0),
+                       fixed_s=med.get("fixed", 0.0))
