@@ -44,6 +44,6 @@ def summary(predicted: dict, measured_s: float, steady_s: float) -> str:
     if step is None:
         return f"no prediction: unknown {', '.join(predicted['unknown'])}"
     ref = steady_s or measured_s
-    return (f"predicted {step:.3f} s/step for a{'' if predicted['clipped'] else 'n un'}clipped step, measured "
+    return (f"predicted {step:.3f} s/step for a{' ' if predicted['clipped'] else 'n un'}clipped step, measured "
             f"{measured_s:.3f} (steady {steady_s:.3f}): {step / ref - 1:+.0%} against "
             f"{'steady' if steady_s else 'measured'}")
