@@ -42,6 +42,7 @@ CACHE_VERSION = 2  # 2: layer timings measured through the engine (recorded forw
 # Bytes of host memory traffic per parameter of the measured HostAdamW.update (optim/adamw_cpp.py: the C++
 # pass reads p, m, v and a bf16 g and writes p, m, v; the torch path also widens g through fp32 scratch).
 UPDATE_BYTES = {"cpp": 26.0, "torch": 34.0}
+HOST_WARMUP = 5  # untimed passes before each host figure
 
 
 @dataclass
@@ -228,7 +229,9 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
     opt = HostAdamW(TrainConfig(), kernel="auto")
     fig.adamw_kernel = opt.kernel
     say(f"probe: host AdamW ({opt.kernel}) over {tile.numel / 1e6:.0f} M params")
-    fig.adamw_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps)
+    # A process's first host passes run slower (its OpenMP team and pages still cold): the host figures are
+    # timed after HOST_WARMUP passes, as a training run's steady state sees them.
+    fig.adamw_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps, warmup=HOST_WARMUP)
 
     src = tile.master
     dst = torch.empty(src.numel(), dtype=torch.bfloat16, pin_memory=cuda)
@@ -238,9 +241,9 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
             opt.update_weights_span(tile, 1e-5, 0.5, 0, tile.numel, dst)
             opt.count_step(tile)
         emit = _emit
-        fig.emit_params_per_s = tile.numel / _timed(emit, reps=reps)
+        fig.emit_params_per_s = tile.numel / _timed(emit, reps=reps, warmup=HOST_WARMUP)
     say("probe: fp32 -> bf16 cast into pinned memory" if cuda else "probe: fp32 -> bf16 cast")
-    fig.cast_elems_per_s = src.numel() / _timed(lambda: dst.copy_(src), reps=reps)
+    fig.cast_elems_per_s = src.numel() / _timed(lambda: dst.copy_(src), reps=reps, warmup=HOST_WARMUP)
 
     if cuda:
         say(f"probe: PCIe, {link_bytes >> 20} MiB copies")
