@@ -92,11 +92,15 @@ def test_choose_plan_takes_lean_norms_only_when_hf_does_not_fit():
     config, budget = qwen25_7b(), int(139.8 * GiB)
     assert not choose_plan(config, 256 * 1024, device_budget_bytes=budget).lean_norms  # fits as it is
     # 512K with 25 GiB of host memory free: HF norms offload 31.5 GiB of checkpoints, lean ones 21 GiB.
-    hf = plan_long_context(config, 512 * 1024, device_budget_bytes=budget, host_budget_bytes=25 * GiB)
+    hf = plan_long_context(config, 512 * 1024, device_budget_bytes=budget, host_budget_bytes=25 * GiB, drop=0)
     chosen = choose_plan(config, 512 * 1024, device_budget_bytes=budget, host_budget_bytes=25 * GiB)
     assert not hf.fits and chosen.fits and chosen.lean_norms
     assert chosen.offloaded_checkpoints < hf.offloaded_checkpoints
-    none_fit = choose_plan(config, 512 * 1024, device_budget_bytes=budget, host_budget_bytes=GiB)
+    # HF norms would fit by recomputing 2 checkpoints (tests/test_rebuild.py); lean norms need none: lean.
+    assert plan_long_context(config, 512 * 1024, device_budget_bytes=budget,
+                             host_budget_bytes=25 * GiB).dropped_checkpoints == (1, 3)
+    assert chosen.dropped_checkpoints == ()
+    none_fit = choose_plan(config, 512 * 1024, device_budget_bytes=budget, host_budget_bytes=GiB, drop=0)
     assert not none_fit.fits and not none_fit.lean_norms
 
 

@@ -67,11 +67,13 @@ def test_14b_at_8x4096_fits_24gib_on_the_memory_lean_path(qwen14b):
     assert plan.loss_chunk_tokens < 8192
     assert plan.render().startswith("memory-lean plan: 8 x 4096 tokens; device budget   24.00 GiB")
 
-    # Without the host memory for the checkpoints it does not fit, and says why.
+    # Without the host memory for the checkpoints it recomputes some from the one before instead, and says so.
     starved = plan_memory_lean(adapter, seq_len=4096, micro_batch_size=8, grad_accum=1, dtype=torch.bfloat16,
                                device_type="cuda", device_budget=budget, loss_chunk_tokens=8192,
                                store_bytes_to_come=store_bytes, host_available=store_bytes + 12 * GiB)
-    assert not starved.fits and starved.host_pinned_bytes > starved.host_budget
+    assert starved.fits and starved.dropped_checkpoints and starved.host_pinned_bytes <= starved.host_budget
+    assert starved.offloads_wanted * starved.checkpoint_bytes > starved.host_budget
+    assert "checkpoints recomputed from the one before" in starved.summary()
 
 
 def test_lean_plan_terms_agree_with_the_short_plan(qwen14b):

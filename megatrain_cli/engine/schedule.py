@@ -16,6 +16,11 @@ times per step whatever the accumulation count.
 
 Blocks listed in `keep_blocks` skip the recompute: their forward already ran with autograd
 (memory-adaptive recompute: spend spare device memory on activations instead of FLOPs).
+
+Blocks listed in `dropped` keep no checkpoint (the lean plans' trade when host memory is short,
+engine/rebuild.py): right before such a block's recompute, `rebuild` ops run the block before it again
+without autograd, from that block's checkpoint, to get this one back. Their weights are listed like any
+other use, so the streamer prefetches them and transfers_per_layer counts them.
 """
 
 from __future__ import annotations
@@ -25,9 +30,9 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # 'forward' | 'head' | 'recompute' | 'backward' | 'embed_backward'
+    kind: str  # 'forward' | 'head' | 'rebuild' | 'recompute' | 'backward' | 'embed_backward'
     layer: int = -1
-    block: int = -1
+    block: int = -1  # a rebuild: the dropped block whose checkpoint it rebuilds (its layer is in the block before)
     checkpoint: bool = False  # forward: this layer's input is a block checkpoint
     grad: bool = False  # forward: build the autograd graph (kept block)
 
@@ -42,15 +47,22 @@ def blocks(num_layers: int, interval: int) -> list[range]:
     return [range(s, min(s + interval, num_layers)) for s in range(0, num_layers, interval)]
 
 
-def build_schedule(num_layers: int, checkpoint_interval: int, keep_blocks: frozenset[int] = frozenset()
-                   ) -> list[Op]:
+def build_schedule(num_layers: int, checkpoint_interval: int, keep_blocks: frozenset[int] = frozenset(),
+                   dropped: frozenset[int] = frozenset()) -> list[Op]:
     ops: list[Op] = []
     bl = blocks(num_layers, checkpoint_interval)
+    for b in dropped:  # rebuilt from the block before's checkpoint: that one must be stored
+        if not (0 < b < len(bl)) or b in keep_blocks or b - 1 in keep_blocks or b - 1 in dropped:
+            raise ValueError(f"checkpoint {b} cannot be dropped: a dropped checkpoint is rebuilt from the one "
+                             f"before, which must be stored (blocks 1..{len(bl) - 1}, neither kept; dropped "
+                             f"{sorted(dropped)}, kept {sorted(keep_blocks)})")
     for b, layers in enumerate(bl):
         for i in layers:
             ops.append(Op("forward", i, b, checkpoint=(i == layers.start), grad=b in keep_blocks))
     ops.append(Op("head"))
     for b in reversed(range(len(bl))):
+        if b in dropped:
+            ops.extend(Op("rebuild", i, b) for i in bl[b - 1])
         if b not in keep_blocks:
             ops.extend(Op("recompute", i, b) for i in bl[b])
         ops.extend(Op("backward", i, b) for i in reversed(bl[b]))

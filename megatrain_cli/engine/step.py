@@ -19,6 +19,7 @@ from megatrain_cli.engine.inputs import embed_output_grad, step_inputs
 from megatrain_cli.engine.embed_backward import embed_backward
 from megatrain_cli.engine.head import run_head
 from megatrain_cli.engine.plan.lean import LeanPlan
+from megatrain_cli.engine.rebuild import StepCheckpoints
 from megatrain_cli.engine.resident import ResidentLayers
 from megatrain_cli.engine.router_loss import moe_setup, routers
 from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_order
@@ -45,7 +46,8 @@ class Engine:
     Options change how, never what: every combination computes the same step.
 
     `long_context` (a lean plan, engine/plan/lean.py): the MLP chunked over the sequence, lean RMSNorms,
-    the plan's loss chunk and activation checkpoints offloaded to pinned host memory as the plan says.
+    the plan's loss chunk and activation checkpoints offloaded to pinned host memory, or dropped and
+    rebuilt in the backward (engine/rebuild.py), as the plan says.
     `sdpa` restricts SDPA's backends on CUDA ('auto' = cuDNN/flash/efficient, never math, on the lean
     path only). `kernels` 'triton' swaps the Triton RMSNorm, SiLU-product and RoPE into the templates and
     fuses the head's linear + cross-entropy ('auto' = triton on CUDA). `host_adamw`, `defer_moments`,
@@ -118,12 +120,15 @@ class Engine:
         self.on_op = None
         self.redirect = WeightRedirect(self.streamer.resident)
         self.streamer.on_bind = self.redirect.bind
-        self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks)
+        dropped = frozenset(long_context.dropped_checkpoints) if long_context is not None else frozenset()
+        self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks, dropped)
         self.keep_blocks = keep_blocks
         self.long_context, self.sdpa = long_context, sdpa
         self.offloader: CheckpointOffloader | None = None
         if long_context is not None:
             self._install_long_context(long_context)
+        self.checkpoints = StepCheckpoints(self.ops, self.adapter.num_layers, checkpoint_interval, keep_blocks,
+                                           self.offloader)
         self._fused_ce = None
         if self.kernels == "triton":  # after the long-context pieces: see kernel_patch's precedence
             for template in (*self.templates.all(), self.norm_template):
@@ -142,18 +147,12 @@ class Engine:
             slim_norms(self.norm_template)
         self.chunk = plan.loss_chunk_tokens  # the plan's head term assumes its chunk
         self.offloader = CheckpointOffloader(self.device, frozenset(plan.offload_keys))
-        # The blocks in the order the backward recomputes them: each get() prefetches the next one.
-        self._recompute_order = list(dict.fromkeys(op.block for op in self.ops if op.kind == "recompute"))
-        self._first_recompute = self._recompute_order[0] if self._recompute_order else None
-        self._next_recompute = dict(zip(self._recompute_order, self._recompute_order[1:]))
 
     def reserve_checkpoint_buffers(self, micro_batch_shapes: list[tuple[int, int]]) -> int:
         """Pin the offloaded checkpoints' host buffers before the first step (micro-batch [B, T] shapes of
         the steps to come); returns the bytes pinned. Without a long-context plan, or on CPU: 0."""
-        if self.offloader is None:
-            return 0
         like = [((b, t, self.adapter.hidden_size), self.dtype) for b, t in micro_batch_shapes]
-        return sum(self.offloader.reserve(block, like) for block in self._recompute_order)
+        return self.checkpoints.reserve(like)
 
     def _sdpa_context(self):
         if self.device.type != "cuda" or (self.long_context is None and self.sdpa == "auto"):
@@ -215,9 +214,10 @@ class Engine:
         return self._fused_ce
 
     def recomputed_layers(self) -> int:
-        """Layers whose forward runs twice per step (their block is recomputed for its backward)."""
+        """Layer forwards run again per step: the recomputed blocks' layers, and the layers rebuilding a
+        dropped checkpoint (engine/rebuild.py)."""
         return sum(len(b) for i, b in enumerate(blocks(self.adapter.num_layers, self.interval))
-                   if i not in self.keep_blocks)
+                   if i not in self.keep_blocks) + sum(op.kind == "rebuild" for op in self.ops)
 
     def mlp_chunk_tokens(self) -> int | None:
         """Tokens per MLP chunk when the long-context plan tiles the MLP (its backward redoes gate / up)."""
@@ -248,6 +248,7 @@ class Engine:
 
     def close(self) -> None:
         self.synchronize()
+        self.checkpoints.forget()
         if self.offloader is not None:
             self.offloader.clear()
         for part in (self.worker, self.streamer, self.sink):
@@ -280,14 +281,12 @@ class Engine:
         norm_scale = 1.0 / max(1, n_loss_tokens)
         sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
 
-        checkpoints: dict[int, list[torch.Tensor]] = {}
         graphs: dict[int, tuple[list, list, dict]] = {}  # layer -> (inputs, outputs, leaves)
         grads_out: list[torch.Tensor] = []
         losses: list[float] = []
 
-        off = self.offloader
-        if off is not None:
-            off.forget()  # anything a failed step left behind
+        ckpt = self.checkpoints
+        ckpt.forget()  # anything a failed step left behind
         t0 = time.perf_counter()
         op = None
         if self.on_op is not None:
@@ -297,42 +296,33 @@ class Engine:
                 for op in self.ops:
                     if op.kind == "forward":
                         if op.checkpoint:
-                            if off is None:
-                                checkpoints[op.block] = list(h)
-                            elif op.block not in self.keep_blocks:  # a kept block is never recomputed
-                                off.put(op.block, list(h))
+                            ckpt.save(op.block, h)
                         flat = self.acquire(op.tile)
                         if op.grad:
                             h = self._record_layer(op.layer, flat, h, ctx, graphs, count=True)
                         else:
-                            with torch.no_grad():
-                                w = self.weight_views(op.tile, flat, grad=False)
-                                h = [self._layer(op.layer, w, x, c, m, count=True)
-                                     for m, (x, c) in enumerate(zip(h, ctx))]
+                            h = self.forward_layer(op.layer, flat, h, ctx, count=True)
                     elif op.kind == "head":
                         times["forward"] = time.perf_counter() - t0
                         t0 = time.perf_counter()
                         if self.worker is not None:  # the forward has every weight it needs: the last
                             self.worker.release_moments()  # step's deferred moments may use the host now
-                        if off is not None and self._first_recompute is not None:
-                            off.prefetch(self._first_recompute)  # comes back while the head computes
+                        ckpt.prefetch_first()  # comes back while the head computes
                         grads_out, losses, head_grad = run_head(self, h, labels, norm_scale, sq_norm)
                         if self.router is not None:  # each micro-batch's loss as HF's: + coef * router aux loss
                             losses = self.router.add_to(losses, n_loss_tokens)
                         h = []
                         times["head"] = time.perf_counter() - t0
                         t0 = time.perf_counter()
+                    elif op.kind == "rebuild":  # a dropped checkpoint, from the one before (engine/rebuild.py)
+                        h = ckpt.rebuild(self, op, h, ctx)
                     elif op.kind == "recompute":
-                        if op.layer == blocks(self.adapter.num_layers, self.interval)[op.block].start:
-                            if off is None:
-                                h = checkpoints.pop(op.block)
-                            else:
-                                h = off.get(op.block)
-                                if op.block in self._next_recompute:  # one block ahead, behind this one's compute
-                                    off.prefetch(self._next_recompute[op.block])
+                        if op.layer == ckpt.blocks[op.block].start:
+                            h = ckpt.load(op.block)
                         flat = self.acquire(op.tile)
                         h = self._record_layer(op.layer, flat, h, ctx, graphs)
                     elif op.kind == "backward":
+                        h = []  # the block's output: its graph holds it until this backward; nothing reads it later
                         self.acquire(op.tile)
                         grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
                     elif op.kind == "embed_backward":
@@ -368,6 +358,12 @@ class Engine:
                           h2d_bytes=st.h2d_bytes, d2h_bytes=st.d2h_bytes, h2d_count=dict(st.h2d_count))
 
     # ------------------------------------------------------------ phases
+    def forward_layer(self, i: int, flat, h, ctx, count: bool = False) -> list[torch.Tensor]:
+        """Layer i on every micro-batch without autograd (the forward, a checkpoint's rebuild)."""
+        with torch.no_grad():
+            w = self.weight_views(f"layers.{i}", flat, grad=False)
+            return [self._layer(i, w, x, c, m, count=count) for m, (x, c) in enumerate(zip(h, ctx))]
+
     def _record_layer(self, i: int, flat, h, ctx, graphs, count: bool = False) -> list[torch.Tensor]:
         """Run layer i on every micro-batch with autograd; the graph refers to weights by tile."""
         tile = f"layers.{i}"

@@ -173,7 +173,8 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
             if long_ctx is not None:
                 dash.log(f"{long_ctx.label} path: {long_ctx.offloaded_checkpoints} of {long_ctx.num_checkpoints} "
                          f"checkpoints in host memory ({pinned / 2**30:.2f} GiB pinned), predicted device peak "
-                         f"{long_ctx.predicted_peak / 2**30:.2f} GiB")
+                         f"{long_ctx.predicted_peak / 2**30:.2f} GiB"
+                         + (f"; {long_ctx.recompute_choice()}" if long_ctx.dropped_checkpoints else ""))
             t_run = time.perf_counter()
             for step in range(start, total):
                 t0 = time.perf_counter()

@@ -7,6 +7,12 @@ not fit (the memory-lean path). The offloader it drives is engine/transfer/offlo
 MLP chunk, the loss chunk and how many layer checkpoints go to pinned host memory, and predicts the
 device peak term by term for each phase of the step. Nothing is allocated; it runs on the CPU.
 
+When the host budget cannot hold the checkpoints the device cannot, the plan drops some instead of
+storing them anywhere (the fewest that make device and host fit): the backward rebuilds dropped checkpoint
+j from checkpoint j-1 with one more no-grad forward of layer j-1 (engine/rebuild.py). Dropped are every
+other one from the bottom, 1, 3, 5, ...: each needs the one before it stored, and the backward reaches
+them last, when the fewest other checkpoints are still on the device.
+
 Checkpoint interval is always 1: a block of k layers costs L/k checkpoints plus k layer graphs, and a
 layer graph is ~13 checkpoints, so one layer per block is the least memory for any L (and it streams
 each layer's weights the same twice per step as any interval up to the 2 weight slots).
@@ -46,7 +52,7 @@ class LeanPlan:
     loss_chunk_tokens: int
     lean_norms: bool
     num_checkpoints: int
-    offloaded_checkpoints: int  # checkpoints 0..k-1 live in pinned host memory
+    offloaded_checkpoints: int  # the first k stored checkpoints live in pinned host memory
     checkpoint_bytes: int  # one checkpoint
     fixed: dict = field(default_factory=dict)  # term -> bytes, alive the whole step
     phases: dict = field(default_factory=dict)  # phase -> {term: bytes}, on top of `fixed`
@@ -54,6 +60,10 @@ class LeanPlan:
     notes: list = field(default_factory=list)
     grad_accum: int = 1  # micro-batches per step, each of `batch` rows: the engine records them all at once
     label: str = "long-context"  # or "memory-lean": the fallback of a short sequence (plan_memory_lean)
+    # Checkpoints not stored, rebuilt in the backward from the one before (engine/rebuild.py), and how many
+    # would have gone to pinned host memory without them (what the host budget could not hold).
+    dropped_checkpoints: tuple = ()
+    offloads_wanted: int = 0
 
     @property
     def tokens(self) -> int:
@@ -86,9 +96,28 @@ class LeanPlan:
         return self.predicted_peak <= self.usable and host_ok
 
     @property
-    def offload_keys(self) -> range:
-        """Checkpoint (block) indices to give CheckpointOffloader: the first ones, read last in backward."""
-        return range(self.offloaded_checkpoints)
+    def offload_keys(self) -> list[int]:
+        """Checkpoint (block) indices to give CheckpointOffloader: the first stored ones, read last in backward."""
+        stored = [b for b in range(self.num_checkpoints) if b not in self.dropped_checkpoints]
+        return stored[:self.offloaded_checkpoints]
+
+    @property
+    def device_checkpoints(self) -> int:
+        """Checkpoints kept on the device from the forward to their block's recompute."""
+        return self.num_checkpoints - self.offloaded_checkpoints - len(self.dropped_checkpoints)
+
+    def recompute_choice(self) -> str:
+        """What was traded for host memory, and why ('' when no checkpoint is dropped)."""
+        n = len(self.dropped_checkpoints)
+        if not n:
+            return ""
+        why = ("host memory short (" + (f"{fmt_bytes(self.host_budget)} free for checkpoints, "
+               f"{fmt_bytes(self.offloads_wanted * self.checkpoint_bytes)} needed" if self.host_budget is not None
+               else "no host budget given") + ")") if self.offloads_wanted else "checkpoints dropped as asked"
+        return (f"{why}: {n} of {self.num_checkpoints} checkpoints recomputed from the one before "
+                f"(+{n * self.checkpoint_interval} layer forward{'s' if n * self.checkpoint_interval > 1 else ''} per "
+                f"step), {self.offloaded_checkpoints} offloaded "
+                f"to pinned host memory")
 
     def render(self) -> str:
         gib = lambda b: f"{b / GiB:7.2f} GiB"  # noqa: E731
@@ -99,9 +128,13 @@ class LeanPlan:
                  f"  checkpoint interval {self.checkpoint_interval}; MLP {mlp}; loss chunk "
                  f"{self.loss_chunk_tokens} tokens; RMSNorm {'lean' if self.lean_norms else 'HF'}",
                  f"  checkpoints: {self.num_checkpoints} x {gib(self.checkpoint_bytes).strip()}; "
-                 f"{self.num_checkpoints - self.offloaded_checkpoints} on the device, {self.offloaded_checkpoints} "
-                 f"in pinned host memory ({gib(self.host_pinned_bytes).strip()})",
-                 f"  whole step: {gib(sum(self.fixed.values()))}"]
+                 f"{self.device_checkpoints} on the device, {self.offloaded_checkpoints} "
+                 f"in pinned host memory ({gib(self.host_pinned_bytes).strip()})"
+                 + (f", {len(self.dropped_checkpoints)} rebuilt in the backward ({_ranges(self.dropped_checkpoints)})"
+                    if self.dropped_checkpoints else "")]
+        if self.dropped_checkpoints:
+            lines.append(f"  {self.recompute_choice()}")
+        lines.append(f"  whole step: {gib(sum(self.fixed.values()))}")
         lines.extend(f"    {k:<64} {gib(v)}" for k, v in self.fixed.items() if v)
         for phase, terms in self.phases.items():
             mark = "   <- peak" if phase == self.peak_phase else ""
@@ -115,17 +148,30 @@ class LeanPlan:
     def summary(self) -> str:
         """The plan in one line (the trainer's path line, the bench's notes)."""
         mlp = f"MLP chunked by {self.mlp_chunk_tokens}" if self.mlp_chunk_tokens else "MLP unchunked"
+        checkpoints = (self.recompute_choice() or f"{self.offloaded_checkpoints} of {self.num_checkpoints} "
+                       "checkpoints offloaded to pinned host memory") + f" ({fmt_bytes(self.host_pinned_bytes)})"
         return (f"checkpoint interval {self.checkpoint_interval}, {mlp}, loss chunk {self.loss_chunk_tokens}, RMSNorm "
-                f"{'lean' if self.lean_norms else 'HF'}, {self.offloaded_checkpoints} of {self.num_checkpoints} "
-                f"checkpoints offloaded to pinned host memory ({fmt_bytes(self.host_pinned_bytes)}), predicted "
-                f"device peak {fmt_bytes(self.predicted_peak)} of {fmt_bytes(self.budget)} ({self.peak_phase})")
+                f"{'lean' if self.lean_norms else 'HF'}, {checkpoints}, predicted device peak "
+                f"{fmt_bytes(self.predicted_peak)} of {fmt_bytes(self.budget)} ({self.peak_phase})")
+
+
+def _ranges(keys) -> str:
+    """'0..3, 5, 7' for the checkpoint indices [0, 1, 2, 3, 5, 7]."""
+    runs: list[list[int]] = []
+    for k in sorted(keys):
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: int = 1, device_budget_bytes: int,
                       host_budget_bytes: int | None = None, dtype: torch.dtype = torch.bfloat16,
                       layer_slots: int = 2, mlp_chunk_tokens: int = 8192, chunk_mlp: bool | None = None,
-                      loss_chunk_tokens: int = 4096, offload: bool | None = None, lean_norms: bool = False,
-                      headroom: float = 0.95, device_type: str = "cuda", fallback: bool = False) -> LeanPlan:
+                      loss_chunk_tokens: int = 4096, offload: bool | None = None, drop: int | None = None,
+                      lean_norms: bool = False, headroom: float = 0.95, device_type: str = "cuda",
+                      fallback: bool = False) -> LeanPlan:
     """The activation plan for one step of `grad_accum` micro-batches of `batch` x `seq_len` tokens.
 
     The engine runs the micro-batches as the inner loop: every micro-batch's checkpoints are kept per
@@ -136,7 +182,10 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
     chunk_mlp: None chunks it when the unchunked MLP's activations would take over 10% of the budget, or when
     chunking avoids offloading. offload: None offloads as few checkpoints as keep the peak under
     `headroom` x the budget; True offloads all, False none. `host_budget_bytes`, when given, is the
-    pinned host memory the offloaded checkpoints may take (what the host store leaves free).
+    pinned host memory the offloaded checkpoints may take (what the host store leaves free). drop: None
+    drops checkpoints (each rebuilt in the backward from the one before, one more layer forward per step)
+    only when the host budget cannot hold the offloaded ones, as few as make the plan fit; a number drops
+    that many (1, 3, 5, ...; 0 never).
     `device_type` 'cuda' reserves 1 GiB for the CUDA context and library workspaces (nothing on CPU).
     `fallback`: the memory-lean plan of a step the short-context plan does not fit (plan_memory_lean):
     the loss chunk is halved (down to LEAN_MIN_LOSS_CHUNK) before checkpoints are offloaded, and the MLP
@@ -145,30 +194,33 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
     options = dict(batch=batch, grad_accum=grad_accum, device_budget_bytes=device_budget_bytes,
                    host_budget_bytes=host_budget_bytes, dtype=dtype, layer_slots=layer_slots,
                    mlp_chunk_tokens=mlp_chunk_tokens, chunk_mlp=chunk_mlp, loss_chunk_tokens=loss_chunk_tokens,
-                   offload=offload, headroom=headroom, reserve_bytes=GiB if device_type == "cuda" else 0,
-                   fallback=fallback)
+                   offload=offload, drop=drop, headroom=headroom,
+                   reserve_bytes=GiB if device_type == "cuda" else 0, fallback=fallback)
     shape = ModelShape.of(model)
     plan = _choose(shape, seq_len, lean_norms=lean_norms, **options)
     _add_notes(plan)
     if not lean_norms:
         lean = _choose(shape, seq_len, lean_norms=True, **options)
         plan.notes.append(f"lean RMSNorm (lean_layers.slim_norms): peak {lean.predicted_peak / GiB:.1f} GiB with "
-                          f"{lean.offloaded_checkpoints} checkpoints offloaded")
+                          f"{lean.offloaded_checkpoints} checkpoints offloaded"
+                          + (f", {len(lean.dropped_checkpoints)} recomputed" if lean.dropped_checkpoints else ""))
     return plan
 
 
 def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **options) -> LeanPlan:
-    """plan_long_context, with lean_norms=None choosing: HF's RMSNorm when that plan fits, else the lean
-    one when it fits (it offloads fewer checkpoints: less pinned host memory and PCIe), else the HF plan
-    (which does not fit; its notes give the lean figures). The engine's path for the long-context bench
+    """plan_long_context, with lean_norms=None choosing: HF's RMSNorm when that plan fits without dropping
+    checkpoints, else the lean one when it fits with fewer dropped (it offloads fewer checkpoints: less
+    pinned host memory and PCIe, and a lean norm costs less than a layer's forward), else the HF plan
+    (which may not fit; its notes give the lean figures). The engine's path for the long-context bench
     and for the trainer."""
     if lean_norms is not None:
         return plan_long_context(model, seq_len, lean_norms=lean_norms, **options)
     plan = plan_long_context(model, seq_len, **options)
-    if plan.fits:
+    if plan.fits and not plan.dropped_checkpoints:
         return plan
     lean = plan_long_context(model, seq_len, lean_norms=True, **options)
-    return lean if lean.fits else plan
+    better = not plan.fits or len(lean.dropped_checkpoints) < len(plan.dropped_checkpoints)
+    return lean if lean.fits and better else plan
 
 
 def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = 4 * GiB, available: int | None = None) -> int:
@@ -235,39 +287,60 @@ def plan_memory_lean(adapter: Any, **training) -> LeanPlan:
 def refusal(plan: LeanPlan) -> str:
     """Why `plan` does not fit, in one line ('' when it fits)."""
     reasons = []
+    dropped = f" and {len(plan.dropped_checkpoints)} recomputed" if plan.dropped_checkpoints else ""
     if plan.predicted_peak > plan.usable:
         reasons.append(f"predicted device peak {fmt_bytes(plan.predicted_peak)} ({plan.peak_phase}) > "
                        f"{fmt_bytes(plan.usable)} usable of {fmt_bytes(plan.budget)} with "
-                       f"{plan.offloaded_checkpoints} of {plan.num_checkpoints} checkpoints offloaded")
+                       f"{plan.offloaded_checkpoints} of {plan.num_checkpoints} checkpoints offloaded{dropped}")
     if plan.host_budget is not None and plan.host_pinned_bytes > plan.host_budget:
         reasons.append(f"the offloaded checkpoints need {fmt_bytes(plan.host_pinned_bytes)} of pinned host "
-                       f"memory, {fmt_bytes(plan.host_budget)} is free after the host store")
+                       f"memory, {fmt_bytes(plan.host_budget)} is free after the host store"
+                       + (dropped.replace(" and", ", with") if dropped else
+                          ", and recomputing checkpoints from the one before instead (at most every other one) "
+                          "does not fit either" if plan.offloads_wanted else ""))
     return "; ".join(reasons)
 
 
 def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget_bytes, host_budget_bytes, dtype,
-            layer_slots, mlp_chunk_tokens, chunk_mlp, loss_chunk_tokens, offload, headroom, lean_norms, reserve_bytes,
-            fallback) -> LeanPlan:
+            layer_slots, mlp_chunk_tokens, chunk_mlp, loss_chunk_tokens, offload, drop, headroom, lean_norms,
+            reserve_bytes, fallback) -> LeanPlan:
     w = torch.finfo(dtype).bits // 8
     micro = batch * seq_len  # one micro-batch: the head's chunks, an MLP chunk and SDPA's backward work on it
     tokens = micro * grad_accum  # the step: each checkpoint holds every micro-batch's hidden states
     usable = int(device_budget_bytes * headroom)
 
-    def build(chunked: bool, chunk: int, offloaded: int) -> LeanPlan:
+    def build(chunked: bool, chunk: int, offloaded: int, dropped: int = 0, wanted: int = 0) -> LeanPlan:
         plan = LeanPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_chunk_tokens if chunked else None,
                                chunk, lean_norms, shape.layers, offloaded, tokens * shape.hidden * w,
-                               host_budget=host_budget_bytes, grad_accum=grad_accum)
+                               host_budget=host_budget_bytes, grad_accum=grad_accum,
+                               dropped_checkpoints=tuple(range(1, 2 * dropped, 2)), offloads_wanted=wanted)
         plan.fixed, plan.phases = device_terms(shape, plan, w, layer_slots, reserve_bytes)
         return plan
 
-    def with_offload(chunked: bool, chunk: int) -> LeanPlan:
-        if offload is not None:
-            return build(chunked, chunk, shape.layers if offload else 0)
+    def fewest_offloads(chunked: bool, chunk: int, dropped: int, most: int) -> LeanPlan:
         # Each offloaded checkpoint lowers the device peak by one checkpoint: offload as few as needed.
-        for k in range(shape.layers + 1):
-            plan = build(chunked, chunk, k)
+        for k in range(most + 1):
+            plan = build(chunked, chunk, k, dropped)
             if plan.predicted_peak <= usable:
                 break
+        return plan
+
+    def with_offload(chunked: bool, chunk: int) -> LeanPlan:
+        dropped = min(drop or 0, shape.layers // 2)
+        if offload is not None:
+            return build(chunked, chunk, shape.layers - dropped if offload else 0, dropped)
+        plan = fewest_offloads(chunked, chunk, dropped, shape.layers - dropped)
+        if drop is not None or host_budget_bytes is None or plan.host_pinned_bytes <= host_budget_bytes:
+            return plan
+        # Host memory short: drop checkpoints instead, the fewest with which the rest fit device and host.
+        # A dropped checkpoint costs one layer forward per step; an offloaded one only PCIe time.
+        host_holds = host_budget_bytes // plan.checkpoint_bytes
+        for dropped in range(1, shape.layers // 2 + 1):
+            traded = fewest_offloads(chunked, chunk, dropped, min(host_holds, shape.layers - dropped))
+            if traded.fits:
+                traded.offloads_wanted = plan.offloaded_checkpoints
+                return traded
+        plan.offloads_wanted = plan.offloaded_checkpoints  # tried: no number of drops fits
         return plan
 
     can_chunk = micro > mlp_chunk_tokens  # below one chunk the chunked MLP runs the plain forward anyway
@@ -280,8 +353,9 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget
             chunks.append(chunks[-1] // 2)
         chunkings = [False, True] if chunk_mlp is None and can_chunk else [bool(chunk_mlp) and can_chunk]
         plan = min((with_offload(chunked, chunk) for chunked in chunkings for chunk in chunks),
-                   key=lambda p: (not p.fits, p.offloaded_checkpoints, 0 if p.fits else p.predicted_peak,
-                                  p.mlp_chunk_tokens is not None, -p.loss_chunk_tokens))
+                   key=lambda p: (not p.fits, len(p.dropped_checkpoints), p.offloaded_checkpoints,
+                                  0 if p.fits else p.predicted_peak, p.mlp_chunk_tokens is not None,
+                                  -p.loss_chunk_tokens))
     else:
         if chunk_mlp is None:
             unchunked_mlp = w * shape.intermediate * (4 * tokens + 3 * micro)  # 4 kept per token, 3 bwd temporaries
@@ -289,11 +363,13 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget
         else:
             chunked = chunk_mlp and can_chunk
         plan = with_offload(chunked, min(loss_chunk_tokens, micro))
-        if chunk_mlp is None and not chunked and can_chunk and (plan.offloaded_checkpoints or not plan.fits):
+        if chunk_mlp is None and not chunked and can_chunk and (plan.offloaded_checkpoints or plan.dropped_checkpoints
+                                                                or not plan.fits):
             plan = with_offload(True, plan.loss_chunk_tokens)  # chunk before offloading: compute is cheaper than RAM
     # The head is rarely the peak, but its logits chunk is the one term that does not scale with T.
     while plan.peak_phase.startswith("head") and plan.predicted_peak > usable and plan.loss_chunk_tokens > 512:
-        plan = build(plan.mlp_chunk_tokens is not None, plan.loss_chunk_tokens // 2, plan.offloaded_checkpoints)
+        plan = build(plan.mlp_chunk_tokens is not None, plan.loss_chunk_tokens // 2, plan.offloaded_checkpoints,
+                     len(plan.dropped_checkpoints), plan.offloads_wanted)
     return plan
 
 
@@ -302,10 +378,14 @@ def _add_notes(plan: LeanPlan) -> None:
         plan.notes.append(f"one document per row: a packed-row mask is [T, T] ({plan.seq_len ** 2 / GiB:.0f} GiB "
                           "as bool per row) and keeps SDPA off flash/cuDNN")
     if plan.offloaded_checkpoints:
-        plan.notes.append(f"checkpoints 0..{plan.offloaded_checkpoints - 1} go to pinned host memory: "
+        plan.notes.append(f"checkpoints {_ranges(plan.offload_keys)} go to pinned host memory: "
                           f"{plan.host_pinned_bytes / GiB:.1f} GiB on top of the host store; each crosses PCIe "
                           f"twice per step ({plan.checkpoint_bytes / GiB:.2f} GiB, ~{plan.checkpoint_bytes / 25e9:.2f} "
                           "s at 25 GB/s, hidden behind a layer's compute)")
+    if plan.dropped_checkpoints:
+        plan.notes.append(f"checkpoints {_ranges(plan.dropped_checkpoints)} are not stored: the backward rebuilds "
+                          "each from the one before with a no-grad forward of that layer, and holds the one before "
+                          "on the device until its own recompute")
     if plan.host_budget is not None and plan.host_pinned_bytes > plan.host_budget:
         plan.notes.append(f"host: the offloaded checkpoints need {plan.host_pinned_bytes / GiB:.1f} GiB pinned, "
                           f"{plan.host_budget / GiB:.1f} GiB is free")

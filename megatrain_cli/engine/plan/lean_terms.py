@@ -151,10 +151,25 @@ ATTENTION_HALF = ("layer input (the checkpoint, now a leaf)", "input RMSNorm", "
                    "q/k RMSNorms")
 
 
+def backward_checkpoints(plan) -> tuple[int, int]:
+    """(most checkpoints on the device during a layer's recompute / backward besides that layer's own
+    input, most during the rebuild of a dropped one), the backward walking down from the last layer.
+    Below layer j every device checkpoint still waits; rebuilding dropped j holds checkpoint j-1 on the
+    device from the rebuild until its own recompute (engine/rebuild.py), one more when it was offloaded."""
+    dropped, offloaded = set(plan.dropped_checkpoints), set(plan.offload_keys)
+    layer = rebuild = below = 0  # below: device checkpoints under layer j
+    for j in range(plan.num_checkpoints):
+        alive = below + (j in dropped and j - 1 in offloaded)
+        layer = max(layer, alive)
+        rebuild = max(rebuild, alive if j in dropped else 0)
+        below += j not in dropped and j not in offloaded
+    return layer, rebuild
+
+
 def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: int
            ) -> tuple[dict, dict]:
     T, t, H, V, U = plan.tokens, plan.micro_tokens, s.hidden, s.vocab, plan.checkpoint_bytes
-    on_device = s.layers - plan.offloaded_checkpoints
+    on_device = plan.device_checkpoints
     staging = U if plan.offloaded_checkpoints else 0  # the put in flight, or the prefetched next one
     fixed = {
         f"layer weight slots ({layer_slots} x {s.layer_numel / 1e6:.0f} M params)": layer_slots * s.layer_numel * w,
@@ -196,8 +211,16 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
         "LM head gradient (fp32 + head accumulator)": V * H * (4 + w if s.tied else 8),
     })
     phases["head (final norm + chunked loss)"] = head
+    in_backward, in_rebuild = backward_checkpoints(plan)
+    if plan.dropped_checkpoints:  # the no-grad forward of the layer before, between two layers' backward
+        phases["rebuild of a dropped checkpoint (no autograd)"] = {
+            "checkpoints on the device (the one it is rebuilt from held)": in_rebuild * U,
+            "the rebuilt checkpoint (the layer's outputs)": T * w * H,
+            **{k: v for k, v in phases["forward (no autograd)"].items() if k.startswith("one layer's temporaries")},
+            "gradient in flight (the next layer's input gradient)": T * w * H,
+            "tied LM-head gradient (fp32, until the embedding backward)": V * H * 4 if s.tied else 0}
     # Backward starts at the last layer: every other device checkpoint still waits for its turn.
-    backward = {"checkpoints on the device": max(0, on_device - 1) * U,
+    backward = {"checkpoints on the device": in_backward * U,
                 "layer gradient (fp32 accumulator + autograd's + cast)": s.layer_numel * (4 + 2 * w),
                 "tied LM-head gradient (fp32, until the embedding backward)": V * H * 4 if s.tied else 0}
     # Recorded for every micro-batch before the layer's backward (the engine's _record_layer).

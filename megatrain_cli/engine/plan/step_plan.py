@@ -4,7 +4,8 @@
 
     short-context   the memory plan (memory.py): checkpoint interval and kept blocks from the recipe;
     long-context    train.seq_len >= engine.long_context_min_seq: the lean plan (lean.py), interval 1,
-                    the MLP chunked over the sequence, checkpoints offloaded to pinned host memory;
+                    the MLP chunked over the sequence, checkpoints offloaded to pinned host memory (or,
+                    when host memory is short, some recomputed from the one before: the path line says);
     memory-lean     the short-context plan does not fit the device budget and engine.memory_fallback:
                     the lean machinery at any length (lean.plan_memory_lean);
 
@@ -134,9 +135,10 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
             raise ValueError(problem)
         lean = plan_for_training(adapter, **lean_args, min_seq_len=e.long_context_min_seq)
         plan = _lean_host_plan(args, lean, lean_resident)
+        checkpoints = lean.recompute_choice() or (f"{lean.offloaded_checkpoints} of {lean.num_checkpoints} "
+                                                  "checkpoints offloaded to host memory")
         path = (f"path: long-context engine (train.seq_len {t.seq_len} >= {e.long_context_min_seq}): checkpoint "
-                f"interval {lean.checkpoint_interval}, {_mlp(lean)}, {lean.offloaded_checkpoints} of "
-                f"{lean.num_checkpoints} checkpoints offloaded to host memory, no kept activations"
+                f"interval {lean.checkpoint_interval}, {_mlp(lean)}, {checkpoints}, no kept activations"
                 f"{_resident(lean_resident)}")
         problems = _named(host_problems(plan), limit) if host is None else host
         if not lean.fits:
