@@ -78,6 +78,13 @@ def test_the_engines_own_op_timings_drive_the_gpu_terms():
                                                         (6 * MODEL.layer_params * LAYER.tokens / 0.090))
 
 
+def test_a_rebuilt_checkpoint_costs_one_more_layer_forward():
+    lean = Candidate(1, 0, 0, path="long-context", offloaded_checkpoints=2)
+    rebuilt = dataclasses.replace(lean, rebuilt_checkpoints=3)
+    a, b = predict(QUICK, LAYER, MODEL, SHAPE, lean), predict(QUICK, LAYER, MODEL, SHAPE, rebuilt)
+    assert b.phases["backward"] - a.phases["backward"] == pytest.approx(3 * LAYER.forward_s * SHAPE.grad_accum)
+
+
 def test_a_clipped_step_waits_for_the_host_update_in_the_forward():
     slow_host = dataclasses.replace(FIG, emit_params_per_s=1e9, emit_under_dma_params_per_s=1e9)
     clipped = predict(slow_host, LAYER, MODEL, SHAPE, Candidate(4, 0, 0))

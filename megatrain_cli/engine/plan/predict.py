@@ -65,6 +65,7 @@ class Candidate:
     resident_layers: int = 0
     path: str = "short"  # 'short' or the lean plan's ('long-context', 'memory-lean'): interval 1, offloads
     offloaded_checkpoints: int = 0
+    rebuilt_checkpoints: int = 0  # a lean plan's dropped checkpoints: one more no-grad layer forward each
 
 
 @dataclass
@@ -158,7 +159,7 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     gpu_resident = ((R * P + model.head_params) * RESIDENT_UPDATE_B / (fig.device_gbps * 1e9)
                     if R and fig.device_gbps else 0.0 if not R else None)
     gpu_bwd = None if f is None or b is None or gpu_resident is None else \
-        recomputed * rec + L * b + gpu_resident + layer.fixed_s * A
+        recomputed * rec + cand.rebuilt_checkpoints * f + L * b + gpu_resident + layer.fixed_s * A
 
     def fwd(i: int) -> float:  # layer i's forward on the GPU
         return rec if i in kept_layers else f
@@ -276,7 +277,8 @@ def candidate_of(plan, device: torch.device) -> Candidate:
     lean = plan.lean
     return Candidate(plan.checkpoint_interval, len(plan.keep_blocks), plan.resident_layers if device.type == "cuda"
                      else 0, "short" if lean is None else lean.label,
-                     lean.offloaded_checkpoints if lean is not None else 0)
+                     lean.offloaded_checkpoints if lean is not None else 0,
+                     len(lean.dropped_checkpoints) if lean is not None else 0)
 
 
 def resident_options(r, num_layers: int, device: torch.device) -> list[int]:
