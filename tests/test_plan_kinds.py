@@ -211,6 +211,13 @@ def test_plan_kind_matches_plain_hf_and_adamw_on_cpu(kind, engines):
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
+# The keys' bias shifts all of a query's scores by nearly one amount, which softmax ignores (RoPE makes the
+# shift position-dependent, so not exactly): its true gradient is tiny, bf16 rounding is a visible share of
+# it, and Adam's normalisation carries that share into the update (docs/benchmarks.md, session 8, gives
+# what the H200 measured).
+BOUND = {"k_proj.bias": 0.2}
+
+
 def cuda_only(test):
     return pytest.mark.cuda(pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")(test))
 
@@ -245,7 +252,8 @@ def test_plan_kind_bf16_cuda_against_plain_fp32_training(kind, engines):
         if d_ref.norm() < 1e-6:
             continue
         rel = float((d_ours - d_ref).norm() / d_ref.norm())
-        assert rel < 0.1, f"{name}: update differs by {rel:.3f} of its size"
+        assert rel < BOUND.get(".".join(name.split(".")[-2:]), 0.1), \
+            f"{name}: update differs by {rel:.3f} of its size"
         compared += 1
     assert compared >= kind.layers * 7, "nearly every tensor must have moved"
 
