@@ -107,7 +107,8 @@ def probe_lines(m: MachineFigures, probe: Probe) -> list[str]:
         head = "from the layer's FLOP rate" if lt.head_s is None else f"{lt.head_s * 1e3:.2f} ms"
         lines.append(f"  the engine's ops at {lt.tokens} tokens on {lt.device}, per layer: forward "
                      f"{lt.forward_s * 1e3:.2f} ms, with autograd {lt.recorded * 1e3:.2f} ms, backward "
-                     f"{lt.backward_s * 1e3:.2f} ms; head {head}; inputs + embedding backward {lt.fixed_s * 1e3:.2f} ms")
+                     f"{lt.backward_s * 1e3:.2f} ms; head {head}; inputs + embedding backward "
+                     f"{lt.fixed_s * 1e3:.2f} ms")
     return lines
 
 

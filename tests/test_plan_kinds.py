@@ -14,9 +14,9 @@ cannot pass.
 CPU: fp32, 3 steps (2 micro-batches, clipping active) against plain HF + torch AdamW (tests/reference.py) at
 tests/test_parity.py's tolerances. CUDA (`-m cuda`): the overlapped pipeline as tests/test_cuda.py runs it
 (three streams, double buffering, overlap_optimizer=True); (a) bf16 against plain fp32 training at test_cuda.py's
-bf16 tolerances with its PyTorch kernels, (b) with kernels='auto' (the Triton kernels on CUDA, what a recipe's
-engine.kernels defaults to) three identical runs bit-identical (losses, masters and moments; SDPA's MATH backend, as test_cuda.py's
-race test, so only the pipeline could differ).
+bf16 tolerances with its PyTorch kernels (the keys' bias: see BOUND), (b) with kernels='auto' (the Triton
+kernels on CUDA, what a recipe's engine.kernels defaults to) three identical runs bit-identical (losses,
+masters and moments; SDPA's MATH backend, as test_cuda.py's race test, so only the pipeline could differ).
 """
 
 from __future__ import annotations

@@ -222,8 +222,8 @@ def test_cuda_plan_predicts_a_whole_step(tmp_path, tiny_adapter):
 
     from megatrain_cli.engine.layer_probe import measure_layer
 
-    probe = pb.load_or_probe(tiny_adapter, micro_batch_size=2, seq_len=256, dtype=torch.bfloat16, loss_chunk_tokens=8192,
-                             device=torch.device("cuda"), cache_dir=tmp_path, machine_args=dict(gemm_n=4096),
+    probe = pb.load_or_probe(tiny_adapter, micro_batch_size=2, seq_len=256, dtype=torch.bfloat16,
+                             loss_chunk_tokens=8192, device=torch.device("cuda"), cache_dir=tmp_path, machine_args=dict(gemm_n=4096),
                              measure_layer=measure_layer)
     assert probe.layer is not None and probe.layer.device == "cuda" and probe.layer.forward_s > 0
     assert probe.layer.head_s > 0 and probe.layer.recorded_s > 0

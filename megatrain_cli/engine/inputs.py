@@ -1,8 +1,8 @@
 """A step's inputs on the device: embedding rows, every layer's call arguments and shifted labels per micro-batch.
 
 Only the step's unique token rows cross PCIe (gathered from the master on the host and cast there into
-page-locked memory; on the data-parallel path each rank reads the rows it owns), never the whole embedding table; the
-labels are shifted once here. Costs one host-to-device copy of |unique tokens| x hidden rows and, with
+page-locked memory; on the data-parallel path each rank reads the rows it owns), never the whole embedding
+table; the labels are shifted once here. Costs one host-to-device copy of |unique tokens| x hidden rows and, with
 ranks, the all-reduces of the row exchange and of the global loss-token count.
 """
 
@@ -87,7 +87,8 @@ def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: to
     return StepInputs(ids_all, uniq, inv_dev, h, calls, transforms, labels, offsets, n_loss_tokens)
 
 
-def _gathered_rows(table: torch.Tensor, uniq: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def _gathered_rows(table: torch.Tensor, uniq: torch.Tensor, device: torch.device,
+                   dtype: torch.dtype) -> torch.Tensor:
     """The masters' rows of `uniq`, in the compute dtype, on the device. On CUDA they are cast on the host into
     page-locked memory (the same rounding as a device cast; half the bytes of fp32 over PCIe) and copied
     without blocking: a pageable copy runs at a fraction of the link and stops the host. The pinned buffer is

@@ -119,5 +119,5 @@ def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.
         return sum(c * med.get(f"{kind}.{i}", 0.0) for i, c in enumerate(counts)) / n
 
     return LayerTiming(forward_s=per_layer("forward"), backward_s=per_layer("backward"),
-                       tokens=micro_batch_size * seq_len, device=device.type, recorded_s=per_layer("recompute"), head_s=med.get("head", 0.0),
-                       fixed_s=med.get("fixed", 0.0))
+                       tokens=micro_batch_size * seq_len, device=device.type, recorded_s=per_layer("recompute"),
+                       head_s=med.get("head", 0.0), fixed_s=med.get("fixed", 0.0))

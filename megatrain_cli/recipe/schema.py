@@ -27,7 +27,7 @@ class ModelConfig:
                                 "32b, 72b (Qwen2.5-shaped), llama3-8b, gemma2-9b, gemma3-12b (text), phi4-14b, "
                                 "olmo2-7b; mixture of experts: qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, "
                                 "gpt-oss-20b, gpt-oss-120b.", None)
-    dtype: Literal["bf16", "fp32"] = doc("Compute dtype on the device (master weights are always fp32).", "bf16")
+    dtype: Literal["bf16", "fp32"] = doc("Compute dtype on the device (master weights: train.master_weights).", "bf16")
     trust_remote_code: bool = doc("Allow model code shipped inside the model directory. Off unless you trust it.",
                                   False)
     tokenizer: Optional[str] = doc("Tokenizer directory; default: the model path, or the bundled offline "
