@@ -129,8 +129,11 @@ class EngineConfig:
     resident_layers: Union[int, str] = doc("The first N decoder layers, and with them the head, keep their master "
                                            "weights, Adam moments and gradients on the device and are updated there: "
                                            "no transfers and no host AdamW for them, 16 bytes/param of device memory "
-                                           "(bf16); 'auto' = as many as fit the device budget before kept activations take the rest (0 "
-                                           "on CPU and on the long-context / memory-lean paths). One process only.",
+                                           "(bf16); 'auto' = as many as fit the device budget before kept "
+                                           "activations take the rest, or more on the memory-lean path when it "
+                                           "fits them at the same recompute and offloads nothing (0 on CPU, on "
+                                           "the long-context path and when the step itself needs the memory-lean "
+                                           "path). One process only.",
                                            "auto")
     kernels: Literal["auto", "torch", "triton"] = doc("Fused kernels: 'auto' uses Triton on CUDA, PyTorch on "
                                                       "CPU.", "auto")

@@ -17,6 +17,7 @@ for this machine, which `--dry-run` prints and turns into its exit code.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -173,11 +174,37 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
                         path, problems, **checked)
     if too_big:
         problems.append(too_big)
+    elif e.resident_layers == "auto" and not keep and e.memory_fallback and budget and device.type == "cuda" \
+            and not problems:
+        wider = _more_resident_lean(r, adapter, device, resident, store_built=store_built, budget=budget)
+        if wider is not None:
+            return wider
     threshold = "never" if e.long_context_min_seq is None else e.long_context_min_seq
     path = (f"path: short-context engine (train.seq_len {t.seq_len} < {threshold}; checkpoint interval "
             f"{e.checkpoint_interval}{_resident(resident)})")
     kept = kept_block_ids(len(blocks(adapter.num_layers, e.checkpoint_interval)), keep)
     return StepPlan(plan, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, resident, path, problems, **checked)
+
+
+def _more_resident_lean(r: Recipe, adapter, device: torch.device, resident: int, **plan_args) -> StepPlan | None:
+    """'auto' resident layers beyond the short-context plan's `resident` (which keeps no block): the most layers
+    with which the memory-lean plan fits at the same compute (interval 1 recomputes every layer, as that
+    short-context plan does; nothing offloaded or dropped, the MLP whole, the loss chunk not halved). More
+    resident layers only take transfers and host work off the step. None: no such plan. Costs one plan per
+    layer count tried, arithmetic."""
+    e = r.engine
+    whole_chunk = min(e.loss_chunk_tokens, r.train.micro_batch_size * r.train.seq_len)
+    for n in range(adapter.num_layers, resident, -1):
+        variant = dataclasses.replace(r, engine=dataclasses.replace(e, resident_layers=n))
+        plan = plan_step(variant, adapter, device, **plan_args)
+        lean = plan.lean
+        if plan.fits and lean is not None and lean.label == "memory-lean" and not lean.offloaded_checkpoints \
+                and not lean.dropped_checkpoints and lean.mlp_chunk_tokens is None \
+                and lean.loss_chunk_tokens == whole_chunk:
+            plan.path += (f"; engine.resident_layers auto: {n} layers resident on the memory-lean path, the "
+                          f"short-context plan's compute, rather than {resident} on the short-context path")
+            return plan
+    return None
 
 
 def _named(problems: list[str], limit: HostLimit) -> list[str]:
