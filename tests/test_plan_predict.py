@@ -273,3 +273,21 @@ def test_dry_run_prints_the_planners_line():
     res = megatrain("train", TINY, "--dry-run", "engine.device=cpu")
     assert res.exit_code == 0, res.output
     assert [line for line in res.output.splitlines() if line.startswith("planner: ")]
+
+
+def test_the_engine_probe_runs_a_lean_plan_without_its_checkpoint_placement():
+    """A long-context recipe's probe: the recipe's lean pieces (MLP chunk, lean norms, loss chunk) run on the
+    cut model, whose one layer has none of the full plan's offloaded or dropped checkpoints."""
+    from megatrain_cli.engine.layer_probe import measure_layer
+    from megatrain_cli.engine.plan.lean import GiB, plan_long_context
+    from megatrain_cli.models.adapter import ModelAdapter
+    from tests.reference import tiny_config
+
+    config = tiny_config("Qwen2ForCausalLM", layers=5, hidden=32, inter=96)
+    plan = plan_long_context(config, 32, batch=2, device_budget_bytes=GiB, dtype=torch.float32, mlp_chunk_tokens=24,
+                             chunk_mlp=True, loss_chunk_tokens=7, offload=True, lean_norms=True, device_type="cpu",
+                             drop=2)
+    assert plan.dropped_checkpoints == (1, 3) and plan.offloaded_checkpoints == 3
+    lt = measure_layer(ModelAdapter(config), micro_batch_size=2, seq_len=32, dtype=torch.float32,
+                       device=torch.device("cpu"), lean=plan, reps=1)
+    assert lt.tokens == 64 and min(lt.forward_s, lt.recorded_s, lt.backward_s, lt.head_s) > 0

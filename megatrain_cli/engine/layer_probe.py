@@ -80,13 +80,14 @@ def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.
                   reps: int = 3, warmup: int = 1, seed: int = 0) -> LayerTiming:
     """The engine's per-layer, head and fixed times at micro_batch_size x seq_len (one micro-batch), the
     layers weighted by how many of the model's layers each stands for. `lean`: the recipe's lean plan
-    (MLP chunk, lean norms, loss chunk), run here with no checkpoint offloaded."""
+    (MLP chunk, lean norms, loss chunk), run here with no checkpoint offloaded or dropped."""
     from megatrain_cli.models.loader import build_store
 
     config, counts = cut_config(adapter)
     cuda = device.type == "cuda"
     store = build_store(config, dtype, seed=seed)
-    plan = dataclasses.replace(lean, offloaded_checkpoints=0) if lean is not None else None
+    # The recipe's lean pieces, none of its checkpoint placement (the cut model has its own few checkpoints).
+    plan = dataclasses.replace(lean, offloaded_checkpoints=0, dropped_checkpoints=()) if lean is not None else None
     engine = Engine(store, TrainConfig(), device=device, checkpoint_interval=1, loss_chunk_tokens=loss_chunk_tokens,
                     kernels=kernels, long_context=plan, resident_layers=len(counts) if cuda else 0, grad_slabs=2)
     clock = OpClock(engine)
