@@ -6,10 +6,9 @@ building it once per variant wastes device time), then optionally the baselines.
         --variant keep0:engine.keep_activations=0 --native
 
 Losses: variants share the store, and every variant draws the same batches (bench's seeds), so a later
-variant re-runs batches an earlier one has trained on. Adam's first steps are nearly sign descent: on a 7B
-model one step at lr 1e-5 lowers the loss of the batch it saw by nats, so a later variant's losses start
-low and climb back (e.g. 8.8 -> 10.6 against 12.65). The step times are unaffected; compare losses only
-within a variant, or across separate invocations.
+variant re-runs batches an earlier one has trained on, and its losses start low and climb back (Adam's first
+steps are nearly sign descent; docs/benchmarks.md, session 8, has what the H200 showed). The step times are
+unaffected; compare losses only within a variant, or across separate invocations.
 
 The base is `megatrain bench`'s: RECIPE (default recipes/bench.yaml), its key=value overrides and the same
 shorthands (--model, --seq, --batch). A variant is NAME:key=value,key=value: recipe overrides on top of the
