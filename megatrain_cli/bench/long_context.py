@@ -69,7 +69,8 @@ class LayerClock:
         self._sync()
         now = time.perf_counter()
         if op is None:  # a step's ops begin
-            self.steps.append({"forward": {}, "recompute": {}, "backward": {}, "head": None, "start": now})
+            self.steps.append({"forward": {}, "rebuild": {}, "recompute": {}, "backward": {}, "head": None,
+                               "start": now})
             self._mark = now
             return
         took, self._mark = now - self._mark, now
@@ -78,10 +79,12 @@ class LayerClock:
         if op.kind == "head":
             step["head"] = took
             self.say(f"{self.prefix} step {n} head (final norm + chunked loss) {_fmt(took)} {at}")
-        elif op.kind in ("forward", "recompute", "backward"):
+        elif op.kind in ("forward", "rebuild", "recompute", "backward"):
             step[op.kind][op.layer] = step[op.kind].get(op.layer, 0.0) + took
         if op.kind == "forward":
             self.say(f"{self.prefix} step {n} layer {op.layer} forward {_fmt(took)} {at}")
+        elif op.kind == "rebuild":  # a dropped checkpoint, from the block before (engine/rebuild.py)
+            self.say(f"{self.prefix} step {n} layer {op.layer} rebuild of checkpoint {op.block} {_fmt(took)} {at}")
         elif op.kind == "backward":
             rec = step["recompute"].get(op.layer, 0.0)
             self.say(f"{self.prefix} step {n} layer {op.layer} recompute + backward {_fmt(rec + took)} "
