@@ -226,3 +226,6 @@ def test_auto_takes_more_resident_layers_on_the_memory_lean_path_at_the_same_com
     kept = plan_step(load_recipe("recipes/bench.yaml", [*keys, "engine.keep_activations=1"]), adapter, cuda,
                      store_built=True)
     assert kept.lean is None and len(kept.keep_blocks) == 1
+    # A data-parallel rank keeps no layer resident: 'auto' is 0 there, and the short-context plan stands.
+    rank = plan_step(r, adapter, cuda, store_built=True, one_process=False)
+    assert rank.lean is None and rank.resident_layers == 0 and "resident" not in rank.path

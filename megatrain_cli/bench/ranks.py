@@ -109,7 +109,7 @@ def _measure(r: Recipe, run: BenchRun, ctx, log) -> dict | None:
         budget -= NCCL_DEVICE_RESERVE
     # Every rank plans as one process would (the whole model's host need: the ranks' shards add up to it);
     # rank 0's verdict counts, taken before any rank allocates.
-    planned = plan_bench(r, run.layers, budget=budget, log=say)
+    planned = plan_bench(r, run.layers, budget=budget, one_process=world == 1, log=say)
     problems = planned.problems
     if planned.plan.lean is not None and world > 1:
         problems = [*problems, f"{planned.plan.lean.label} path: not available with several ranks yet "

@@ -58,13 +58,15 @@ class Planned:
 
 
 def plan_bench(r: Recipe, layers: int | None = None, *, store_built: bool = False, budget: int | None = None,
-               log=print) -> Planned:
+               one_process: bool = True, log=print) -> Planned:
     """The planner's plan for `r` (with `layers` decoder layers), printed through `log`. `store_built`,
-    `budget`: plan_step's (a store built earlier; device bytes less what NCCL takes)."""
+    `budget`, `one_process`: plan_step's (a store built earlier; device bytes less what NCCL takes; a rank of
+    several)."""
     device = resolve_device(r.engine.device)
     whole = bench_model_config(r)
     config = bench_model_config(r, layers)
-    plan = plan_step(r, ModelAdapter(config), device, store_built=store_built, budget=budget)
+    plan = plan_step(r, ModelAdapter(config), device, store_built=store_built, budget=budget,
+                     one_process=one_process)
     planned = Planned(r, config, device, plan, model_label(model_name(r), layers, whole.num_hidden_layers),
                       list(plan.problems))
     if planned.long_context and config.num_hidden_layers != whole.num_hidden_layers:
@@ -76,7 +78,8 @@ def plan_bench(r: Recipe, layers: int | None = None, *, store_built: bool = Fals
             log(f"[bench] memory-lean path ({lean.summary()})")
         else:  # both plans' figures: the short-context one that was too big, the lean one that is too
             strict = dataclasses.replace(r, engine=dataclasses.replace(r.engine, memory_fallback=False))
-            short_plan = plan_step(strict, ModelAdapter(config), device, store_built=store_built, budget=budget)
+            short_plan = plan_step(strict, ModelAdapter(config), device, store_built=store_built, budget=budget,
+                                   one_process=one_process)
             planned.problems = [*short_plan.problems, f"memory-lean path: {refusal(lean)}"]
     return planned
 

@@ -49,7 +49,7 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
     # A dry run plans for the recipe's device even on a machine without it.
     device = torch.device("cuda") if r.engine.device == "cuda" and dry_run else resolve_device(r.engine.device)
     adapter = ModelAdapter(config)
-    plan = plan_step(r, adapter, device)
+    plan = plan_step(r, adapter, device, one_process=dist is None)
     # the step the planner predicts from this machine's cached probe (one process: ranks are not modelled)
     pred = prediction(r, adapter, device, plan) if dist is None and not plan.problems else None
     disk = preflight.run_disk_problem(r, config)

@@ -148,7 +148,7 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     kept_layers = {i for k in kept for i in bl[k]}
     tokens = shape.micro_batch_size * shape.seq_len * A
     rate = None  # FLOP/s the probed layer reached (the head is matmul-bound as the layer is)
-    if layer and layer.forward_s + layer.backward_s > 0:
+    if layer and layer.recorded + layer.backward_s > 0:
         rate = 6.0 * P * layer.tokens / (layer.recorded + layer.backward_s)
     elif fig.gemm_tflops and cuda:
         rate = fig.gemm_tflops * 1e12

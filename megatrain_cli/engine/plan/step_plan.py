@@ -103,14 +103,18 @@ def _packed_rows_problem(r: Recipe) -> str:
 
 
 def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = False,
-              budget: int | None = None) -> StepPlan:
+              budget: int | None = None, one_process: bool = True) -> StepPlan:
     """The step's plan for `r` on `device` (a dry run may plan for CUDA on a machine without it).
 
     `store_built`: the host store already exists, so MemAvailable no longer counts its bytes: the host
     check is skipped and the lean plan's host budget is what is free now. `budget`: device bytes to plan
-    for instead of device_budget(r, device) (e.g. less what NCCL's buffers take). Raises ValueError for a
-    recipe no plan can serve (packed rows too long for the mask)."""
+    for instead of device_budget(r, device) (e.g. less what NCCL's buffers take). `one_process` False: a
+    data-parallel rank, which keeps no layer resident (engine/resident.py), so 'auto' resident layers are 0.
+    Raises ValueError for a recipe no plan can serve (packed rows too long for the mask)."""
     t, e = r.train, r.engine
+    if not one_process and e.resident_layers == "auto":
+        e = dataclasses.replace(e, resident_layers=0)
+        r = dataclasses.replace(r, engine=e)
     dtype = DTYPES[r.model.dtype]
     budget = device_budget(r, device) if budget is None else budget
     args = dict(adapter=adapter, compute_dtype=dtype, micro_batch_size=t.micro_batch_size, seq_len=t.seq_len,
