@@ -172,6 +172,22 @@ def test_short_host_drops_the_fewest_checkpoints_that_fit(lean):
     assert refusal(plan) == ""
 
 
+
+def test_the_training_host_budget_leaves_out_every_pinned_buffer_the_memory_plan_counts():
+    """At 512K tokens the step's embedding rows pin a 2 GiB block (every vocabulary row, rounded up): the
+    checkpoints' host budget must leave it out, as it leaves out the staging and the gradient slabs."""
+    from megatrain_cli.engine.plan.lean import plan_for_training
+    from megatrain_cli.engine.plan.memory import make_plan
+    from megatrain_cli.models.adapter import ModelAdapter
+
+    adapter, seq, free = ModelAdapter(qwen7b()), 512 * 1024, 30 * GiB
+    plan = plan_for_training(adapter, seq_len=seq, micro_batch_size=1, grad_accum=1, dtype=torch.bfloat16,
+                             device_type="cuda", device_budget=BUDGET, host_available=free)
+    pinned = make_plan(adapter, torch.bfloat16, micro_batch_size=1, seq_len=seq, grad_accum=1,
+                       checkpoint_interval=1, grad_slabs=12).pinned
+    assert pinned["embedding rows in / gradients out (power of 2)"] == 2 * GiB
+    assert plan.host_budget == free - sum(pinned.values()) - 4 * GiB
+
 def test_no_drops_when_the_device_is_what_does_not_fit():
     # A device budget no plan fits: dropping checkpoints cannot help the host, and the refusal says it was tried.
     plan = plan_long_context(qwen7b(), 512 * 1024, device_budget_bytes=40 * GiB, host_budget_bytes=10 * GiB)

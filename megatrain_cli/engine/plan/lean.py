@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from megatrain_cli.engine.plan.lean_terms import ModelShape, device_terms
-from megatrain_cli.engine.transfer.slots import transfer_chunk
+from megatrain_cli.engine.transfer.slots import embedding_rows_pinned, transfer_chunk
 
 GiB = 2**30
 
@@ -226,8 +226,8 @@ def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **o
 def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = 4 * GiB, available: int | None = None) -> int:
     """Host memory the offloaded checkpoints may pin, read now (after the host store is built, so it is
     already counted): MemAvailable (or `available`) minus the engine's own pinned buffers (weight
-    staging, gradient slabs) minus a margin for the process (Python, the allocator, the data). Never
-    below 0."""
+    staging, gradient slabs, the embedding rows) minus a margin for the process (Python, the allocator,
+    the data). Never below 0."""
     if available is None:
         from megatrain_cli.machine import available_host_bytes
 
@@ -259,7 +259,9 @@ def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad
         return None
     width = torch.finfo(dtype).bits // 8
     big = max(sum(sp.numel for sp in adapter.layer_specs(i)) for i in range(adapter.num_layers))
-    pinned = (2 + grad_slabs) * transfer_chunk(big) * width if device_type == "cuda" else 0
+    pinned = ((2 + grad_slabs) * transfer_chunk(big) * width + embedding_rows_pinned(
+        micro_batch_size * seq_len * grad_accum, adapter.vocab_size, adapter.hidden_size, width)
+              if device_type == "cuda" else 0)
     host = max(0, host_budget_bytes(pinned, available=host_available) - store_bytes_to_come)
     if device_budget is None:
         if device_type == "cuda":

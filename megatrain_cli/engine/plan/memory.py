@@ -15,7 +15,7 @@ import torch
 from megatrain_cli.engine.plan.lean_terms import ModelShape
 from megatrain_cli.engine.resident import CAST_CHUNK, resident_bytes_per_param
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
-from megatrain_cli.engine.transfer.slots import transfer_chunk
+from megatrain_cli.engine.transfer.slots import embedding_rows_pinned, transfer_chunk
 from megatrain_cli.machine import available_host_bytes
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import HostStore
@@ -90,10 +90,8 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
         chunk = transfer_chunk(big)
         plan.pinned[f"weight staging (2 x {chunk / 1e6:.0f} M-element chunks)"] = 2 * chunk * width
         plan.pinned[f"gradient slabs (K={grad_slabs} x {chunk / 1e6:.0f} M elements)"] = grad_slabs * chunk * width
-        # The step's embedding rows, in (inputs.py) and their gradients out (cuda.CudaGradSink.send_rows), one
-        # at a time, in torch's host allocator, which rounds a block up to a power of two.
-        rows = min(micro_batch_size * seq_len * grad_accum, adapter.vocab_size) * adapter.hidden_size * width
-        plan.pinned["embedding rows in / gradients out (power of 2)"] = 1 << max(0, rows - 1).bit_length()
+        plan.pinned["embedding rows in / gradients out (power of 2)"] = embedding_rows_pinned(
+            micro_batch_size * seq_len * grad_accum, adapter.vocab_size, adapter.hidden_size, width)
     h, layers, vocab = adapter.hidden_size, adapter.num_layers, adapter.vocab_size
     tokens = micro_batch_size * seq_len
     plan.device[f"layer weight slots ({layer_slots} x largest layer)"] = layer_slots * big * width

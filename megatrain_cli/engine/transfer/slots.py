@@ -31,6 +31,14 @@ def transfer_chunk(largest: int) -> int:
     return min(largest, TRANSFER_CHUNK)
 
 
+def embedding_rows_pinned(tokens: int, vocab: int, hidden: int, width: int) -> int:
+    """Pinned host bytes of a step's embedding rows in (inputs.py) and their gradients out
+    (cuda.CudaGradSink.send_rows): one block at a time in torch's host allocator, which rounds a block up
+    to a power of two. At most one row per vocabulary entry, however long the step."""
+    rows = min(tokens, vocab) * hidden * width
+    return 1 << max(0, rows - 1).bit_length()
+
+
 @dataclass(eq=False)  # identity semantics: a slot is one buffer
 class Slot:
     buffer: torch.Tensor  # flat device buffer, compute dtype
