@@ -219,6 +219,9 @@ def test_auto_takes_more_resident_layers_on_the_memory_lean_path_at_the_same_com
     asked = plan_step(load_recipe("recipes/bench.yaml", [*keys, "engine.resident_layers=28"]), adapter, cuda,
                       store_built=True)
     assert asked.lean == lean and asked.resident_layers == 28
+    # The short plan's figure (its 28 resident layers counted) is set against the whole device budget.
+    assert asked.path.startswith("path: memory-lean engine (the short-context plan with 28 resident layers needs "
+                                 "about 144.00 GiB of the 139.80 GiB device budget): checkpoint interval 1")
     # Without the fallback, or with a block kept (different compute), 'auto' stays on the short-context path.
     strict = plan_step(load_recipe("recipes/bench.yaml", [*keys, "engine.memory_fallback=false"]), adapter, cuda,
                        store_built=True)

@@ -163,14 +163,14 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
     problems = _named(host_problems(plan), limit) if host is None else host
     if too_big and e.memory_fallback and not problems and not _packed_rows_problem(r):
         lean = plan_memory_lean(adapter, **lean_args)
-        short_total = plan.device_total
+        # Against the whole device budget: the short plan's figure counts its resident layers too.
+        short = (f"the short-context plan{f' with {resident} resident layers' if resident else ''} needs about "
+                 f"{fmt_bytes(plan.device_total)} of the {fmt_bytes(budget)}")
         plan = _lean_host_plan(args, lean, lean_resident)
-        path = (f"path: memory-lean engine (the short-context plan needs about {fmt_bytes(short_total)} of the "
-                f"{fmt_bytes(lean.budget)} device budget): {lean.summary()}, no kept activations"
+        path = (f"path: memory-lean engine ({short} device budget): {lean.summary()}, no kept activations"
                 f"{_resident(lean_resident)}")
         if not lean.fits:
-            problems.append(f"device memory: the short-context plan needs about {fmt_bytes(short_total)} of the "
-                            f"{fmt_bytes(lean.budget)} budget, and the memory-lean plan does not fit either: "
+            problems.append(f"device memory: {short} budget, and the memory-lean plan does not fit either: "
                             f"{refusal(lean)}. Use a smaller train.micro_batch_size, train.grad_accum or "
                             f"train.seq_len, or a larger engine.max_gpu_mem; `megatrain train RECIPE --dry-run` "
                             f"shows both plans.")
