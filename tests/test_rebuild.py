@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatrain_cli.engine.plan.lean import GiB, choose_plan, plan_long_context, refusal
+from megatrain_cli.engine.plan.lean import HOST_MARGIN, GiB, choose_plan, plan_long_context, refusal
 from megatrain_cli.engine.schedule import build_schedule, fetch_order, transfers_per_layer
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
@@ -186,7 +186,7 @@ def test_the_training_host_budget_leaves_out_every_pinned_buffer_the_memory_plan
     pinned = make_plan(adapter, torch.bfloat16, micro_batch_size=1, seq_len=seq, grad_accum=1,
                        checkpoint_interval=1, grad_slabs=12).pinned
     assert pinned["embedding rows in / gradients out (power of 2)"] == 2 * GiB
-    assert plan.host_budget == free - sum(pinned.values()) - 4 * GiB
+    assert plan.host_budget == free - sum(pinned.values()) - HOST_MARGIN
 
 def test_no_drops_when_the_device_is_what_does_not_fit():
     # A device budget no plan fits: dropping checkpoints cannot help the host, and the refusal says it was tried.
@@ -244,13 +244,13 @@ def tiny_plan(budget: int):
 @pytest.fixture(scope="module")
 def short_host(tmp_path_factory):
     """(recipe overrides, host bytes free, the plan there) for the tiny long-context recipe: a host with room
-    for one checkpoint after the host store and the 4 GiB margin, and the largest device budget at which
+    for one checkpoint after the host store and the margin, and the largest device budget at which
     its plan drops a checkpoint (HF's and the lean RMSNorm's plans both want 2 or more in host memory)."""
     from megatrain_cli.store.tiles import HostStore
 
     adapter, free = tiny_plan(64 * GiB)
     store = HostStore(adapter, torch.float32, allocate=False).host_bytes()
-    host = store + 4 * GiB + free.checkpoint_bytes * 3 // 2
+    host = store + HOST_MARGIN + free.checkpoint_bytes * 3 // 2
     budget = int(free.predicted_peak / 0.95)
     with pytest.MonkeyPatch.context() as mp:
         fake_host(mp, tmp_path_factory.mktemp("host"), host)

@@ -223,11 +223,15 @@ def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **o
     return lean if lean.fits and better else plan
 
 
-def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = 4 * GiB, available: int | None = None) -> int:
-    """Host memory the offloaded checkpoints may pin, read now (after the host store is built, so it is
-    already counted): MemAvailable (or `available`) minus the engine's own pinned buffers (weight
-    staging, gradient slabs, the embedding rows) minus a margin for the process (Python, the allocator,
-    the data). Never below 0."""
+# Left for what the process allocates after MemAvailable is read and nothing else counts: the CUDA context
+# and libraries (a plan may run before CUDA starts), Python, the data (perf-notes, session 9: measured growth).
+HOST_MARGIN = 6 * GiB
+
+
+def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = HOST_MARGIN, available: int | None = None) -> int:
+    """Host memory the offloaded checkpoints may pin: MemAvailable (or `available`), read now, minus the
+    engine's own pinned buffers (weight staging, gradient slabs, the embedding rows) minus the margin. Never
+    below 0. A caller that reads it before the host store is built subtracts the store itself."""
     if available is None:
         from megatrain_cli.machine import available_host_bytes
 
