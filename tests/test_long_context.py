@@ -214,6 +214,11 @@ def test_extrapolate_scales_the_layer_passes_and_keeps_the_rest():
     assert x["step_time_s"] == pytest.approx(10 + 26 * 4) and x["once_per_step_s"] == pytest.approx(2.0)
     assert x["model_tflops"] == pytest.approx(20.0) and x["executed_tflops"] == pytest.approx(30.0)
     assert x["tokens_per_s"] == pytest.approx(1000 / 114)
+    # A rebuilt checkpoint is one more layer forward: the whole model's 3 against the run's 1.
+    x = extrapolate(step_time=10.0, measured_layers=2, full_layers=28, forward_per_layer=1.0, backward_per_layer=3.0,
+                    samples=2, tokens=1000, full_flops=2.28e15, full_executed_flops=3.42e15, measured_rebuilds=1,
+                    full_rebuilds=3)
+    assert x["step_time_s"] == pytest.approx(10 + 26 * 4 + 2 * 1) and x["once_per_step_s"] == pytest.approx(1.0)
 
 
 def test_a_step_that_fails_midway_leaves_its_per_layer_lines(monkeypatch):

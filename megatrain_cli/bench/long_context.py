@@ -103,18 +103,21 @@ class LayerClock:
 
 def extrapolate(*, step_time: float, measured_layers: int, full_layers: int, forward_per_layer: float,
                 backward_per_layer: float, samples: int, tokens: int, full_flops: float,
-                full_executed_flops: float) -> dict:
+                full_executed_flops: float, measured_rebuilds: int = 0, full_rebuilds: int = 0) -> dict:
     """The full model's step from a run of `measured_layers` layers: the layer passes scale with the layer
-    count, everything else in the measured step (embedding, head, loss, the optimizer's tail) is measured
-    once and kept:  step(L) = step(N) + (L - N) x (forward + recompute/backward per layer). `samples`: the
-    layer passes behind each per-layer figure. FLOPs: the full model's (streamed_step_flops)."""
+    count, and each rebuilt (dropped) checkpoint costs one more layer forward; everything else in the measured
+    step (embedding, head, loss, the optimizer's tail) is measured once and kept. `samples`: the layer passes
+    behind each per-layer figure. FLOPs: the full model's (streamed_step_flops)."""
     per_layer = forward_per_layer + backward_per_layer
-    step = step_time + (full_layers - measured_layers) * per_layer
+    step = step_time + (full_layers - measured_layers) * per_layer + (full_rebuilds - measured_rebuilds) * \
+        forward_per_layer
     return dict(layers=full_layers, measured_layers=measured_layers,
-                formula="step(L) = step(N) + (L - N) x (forward + recompute/backward per layer)",
+                formula="step(L) = step(N) + (L - N) x (forward + recompute/backward per layer) + (D(L) - D(N)) x "
+                        "forward, D = rebuilt checkpoints",
                 measured_step_time_s=step_time, per_layer_forward_s=forward_per_layer,
                 per_layer_backward_s=backward_per_layer, per_layer_samples=samples,
-                once_per_step_s=step_time - measured_layers * per_layer,
+                measured_rebuilds=measured_rebuilds, full_rebuilds=full_rebuilds,
+                once_per_step_s=step_time - measured_layers * per_layer - measured_rebuilds * forward_per_layer,
                 step_time_s=step, tokens_per_s=tokens / step, model_tflops=full_flops / step / 1e12,
                 executed_tflops=full_executed_flops / step / 1e12)
 
@@ -124,7 +127,8 @@ def format_extrapolation(x: dict) -> str:
     n, L = x["measured_layers"], x["layers"]
     lines = [f"extrapolated to {L} layers (NOT measured: {n} of {L} layers ran): {x['formula']}",
              f"  = {_fmt(x['measured_step_time_s'])} + ({L} - {n}) x ({_fmt(x['per_layer_forward_s'])} + "
-             f"{_fmt(x['per_layer_backward_s'])}) = {_fmt(x['step_time_s'])}/step; {x['tokens_per_s']:.0f} tokens/s, "
+             f"{_fmt(x['per_layer_backward_s'])}) + ({x['full_rebuilds']} - {x['measured_rebuilds']}) x "
+             f"{_fmt(x['per_layer_forward_s'])} = {_fmt(x['step_time_s'])}/step; {x['tokens_per_s']:.0f} tokens/s, "
              f"model {x['model_tflops']:.1f} TFLOPS, executed {x['executed_tflops']:.1f}",
              f"  per-layer figures: medians of {x['per_layer_samples']} layer passes; measured once per step "
              f"(embedding, head, loss, optimizer tail): {_fmt(x['once_per_step_s'])}"]
@@ -249,8 +253,9 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
     step_time = wall / n
     tokens = batch * seq * accum
     layers_run = planned.config.num_hidden_layers
-    # Interval 1: every layer is recomputed once.
-    flops, executed = streamed_step_flops(store, rows=batch * accum, seq=seq, recomputed_layers=layers_run,
+    # Interval 1: every layer is recomputed once; a rebuilt checkpoint is one more layer forward.
+    rebuilds = len(plan.dropped_checkpoints)
+    flops, executed = streamed_step_flops(store, rows=batch * accum, seq=seq, recomputed_layers=layers_run + rebuilds,
                                           mlp_chunk_tokens=plan.mlp_chunk_tokens)
     phases = {k: sum(x.times.get(k, 0.0) for x in results) / n for k in ("forward", "head", "backward", "optimizer")}
     split = {k: round(v, 3) for k, v in phases.items()}
@@ -270,12 +275,14 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
     ] if x)
     extrapolated = {}
     if full is not None and not failure:
+        full_rebuilds = len(full.dropped_checkpoints)
         full_flops, full_executed = streamed_step_flops(planned.full_store, rows=batch * accum, seq=seq,
-                                                        recomputed_layers=full.num_checkpoints,
+                                                        recomputed_layers=full.num_checkpoints + full_rebuilds,
                                                         mlp_chunk_tokens=plan.mlp_chunk_tokens)
         extrapolated = extrapolate(step_time=step_time, measured_layers=layers_run, full_layers=full.num_checkpoints,
                                    forward_per_layer=fwd_layer, backward_per_layer=bwd_layer, samples=samples,
-                                   tokens=tokens, full_flops=full_flops, full_executed_flops=full_executed)
+                                   tokens=tokens, full_flops=full_flops, full_executed_flops=full_executed,
+                                   measured_rebuilds=rebuilds, full_rebuilds=full_rebuilds)
         extrapolated.update(
             planned_peak_device_bytes=full.predicted_peak,
             planned_peak_phase=full.peak_phase, planned_host_pinned_bytes=full.host_pinned_bytes,
