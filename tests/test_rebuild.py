@@ -172,7 +172,6 @@ def test_short_host_drops_the_fewest_checkpoints_that_fit(lean):
     assert refusal(plan) == ""
 
 
-
 def test_the_training_host_budget_leaves_out_every_pinned_buffer_the_memory_plan_counts():
     """At 512K tokens the step's embedding rows pin a 2 GiB block (every vocabulary row, rounded up): the
     checkpoints' host budget must leave it out, as it leaves out the staging and the gradient slabs."""
@@ -187,6 +186,7 @@ def test_the_training_host_budget_leaves_out_every_pinned_buffer_the_memory_plan
                        checkpoint_interval=1, grad_slabs=12).pinned
     assert pinned["embedding rows in / gradients out (power of 2)"] == 2 * GiB
     assert plan.host_budget == free - sum(pinned.values()) - HOST_MARGIN
+
 
 def test_no_drops_when_the_device_is_what_does_not_fit():
     # A device budget no plan fits: dropping checkpoints cannot help the host, and the refusal says it was tried.
