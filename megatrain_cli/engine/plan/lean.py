@@ -263,7 +263,8 @@ def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad
         return None
     width = torch.finfo(dtype).bits // 8
     big = max(sum(sp.numel for sp in adapter.layer_specs(i)) for i in range(adapter.num_layers))
-    rows = embedding_rows_pinned(micro_batch_size * seq_len * grad_accum, adapter.vocab_size, adapter.hidden_size, width)
+    rows = embedding_rows_pinned(micro_batch_size * seq_len * grad_accum, adapter.vocab_size, adapter.hidden_size,
+                                 width)
     pinned = (2 + grad_slabs) * transfer_chunk(big) * width + rows if device_type == "cuda" else 0
     host = max(0, host_budget_bytes(pinned, available=host_available) - store_bytes_to_come)
     if device_budget is None:
