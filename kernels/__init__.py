@@ -20,11 +20,27 @@ Tests: `python -m pytest -q tests/test_kernels.py`; benchmarks on a GPU: `python
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import os
+import sys
 import warnings
 from typing import Callable
 
 import torch
+
+if __name__ == "kernels":
+    # Imported by its folder name: the repository root is on sys.path (pytest, `python -m megatrain_cli` or
+    # torchrun in a checkout), so this folder shadows PyPI's `kernels`, which transformers >= 5.25 imports.
+    # Hand the name to that package (a path search without the root); our code is megatrain_cli.kernels.
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None:
+        raise ImportError("no module named 'kernels' outside this repository (ours is megatrain_cli.kernels)")
+    _real = importlib.util.module_from_spec(_spec)
+    sys.modules[__name__] = _real  # the import system returns what sys.modules holds once this file ran
+    _spec.loader.exec_module(_real)
 
 # kind -> (module, public function, reference function)
 KINDS: dict[str, tuple[str, str, str]] = {
