@@ -152,10 +152,18 @@ def mlp_chunk_tokens(layer: nn.Module) -> int | None:
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 
+def plain_function(func):
+    """The function itself where HF wrapped it in a hub-kernel module (transformers >= 5.25 with the `kernels`
+    package installed: an nn.Module whose forward calls the closed-over `func`); anything else as it is."""
+    forward = getattr(type(func), "forward", None) if isinstance(func, nn.Module) else None
+    cells = dict(zip(forward.__code__.co_freevars, forward.__closure__ or ())) if forward is not None else {}
+    return cells["func"].cell_contents if "func" in cells else func
+
+
 def same_code(func, reference) -> bool:
     """Whether two functions compile to the same code (HF's "Copied from" families share a function's
     body under their own names): what lets a replacement written for one stand in for the other."""
-    a, b = getattr(func, "__code__", None), getattr(reference, "__code__", None)
+    a, b = getattr(plain_function(func), "__code__", None), getattr(plain_function(reference), "__code__", None)
     return a is not None and b is not None and (a.co_code, a.co_names) == (b.co_code, b.co_names)
 
 
