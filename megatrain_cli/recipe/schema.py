@@ -1,4 +1,4 @@
-"""The recipe's typed schema: every setting of `train` and `bench`, with its type, default and doc.
+"""The recipe's typed schema: every setting of `train`, `bench` and `eval`, with its type, default and doc.
 
 Every field is a dataclass field with a `doc` in its metadata; validation, `--help`, the resolved print
 and the commented example YAML all come from these classes (recipe/load.py); the rules their values obey
@@ -201,7 +201,7 @@ class LoggingConfig:
 @dataclass
 class EvalConfig:
     enabled: bool = doc("Run exact-match eval on the held-out split at the end of training.", False)
-    limit: Optional[int] = doc("Evaluate at most N examples.", 64)
+    limit: Optional[int] = doc("Evaluate at most N examples (the first N of the split); null: all of them.", 64)
     batch_size: int = doc("Prompts per generation batch.", 8)
     max_new_tokens: int = doc("Generation length limit.", 256)
     num_fewshot: int = doc("Solved examples put before each question (GSM8K protocol: 5 in lm-evaluation-harness, "
