@@ -12,6 +12,7 @@ from typing import Optional
 import typer
 
 from megatrain_cli import __version__
+from megatrain_cli.eval.settings import MOVED_FLAGS as EVAL_MOVED_FLAGS
 from megatrain_cli.recipe import load_recipe, schema_help
 from megatrain_cli.train.errors import TrainingError
 
@@ -21,9 +22,14 @@ recipes_app = typer.Typer(no_args_is_help=True, help="List and copy the shipped 
 app.add_typer(recipes_app, name="recipes")
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
-# The --help epilogue of `train` and `bench`: every recipe key with its type, default and doc.
+# The --help epilogue of `train`, `bench` and `eval`: every recipe key with its type, default and doc.
 RECIPE_KEYS = ("Recipe keys (override any as key.sub=value, delete as ~key.sub):\n\n"
                + schema_help().replace("\n", "\n\n"))
+EVAL_EPILOG = ("eval reads the recipe's data.*, eval.* and engine.device keys (the model is --model; the training "
+               "keys are not read); the options describe the measurement. The settings flags eval had are now keys: "
+               + ", ".join(f"{flag} -> {key.split(' ')[0]}" for flag, (_, key) in EVAL_MOVED_FLAGS.items())
+               + ". eval.limit has the schema's default, 64 (the old --limit's was every example; eval.limit=null "
+                 "evaluates the whole split).\n\n" + RECIPE_KEYS)
 
 
 def _recipes_dir() -> Path:
@@ -239,82 +245,39 @@ def plan(ctx: typer.Context, recipe: Path = typer.Argument(..., help="Recipe YAM
     raise typer.Exit(code)
 
 
-@app.command("eval")
-def eval_cmd(model: str = typer.Option(..., "--model", help="HF model directory, a checkpoint's final/, or "
+@app.command("eval", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+             options_metavar="[RECIPE] [KEY=VALUE ...] [OPTIONS]", epilog=EVAL_EPILOG)
+def eval_cmd(ctx: typer.Context,
+             model: str = typer.Option(..., "--model", help="HF model directory, a checkpoint's final/, or "
                                        "preset:NAME (random-init weights of a bench preset, e.g. preset:7b, to "
                                        "measure generation speed without a checkpoint: its answers are noise and "
-                                       "every row runs to --max-new-tokens; prompts use the bundled tokenizer, the "
-                                       "model keeps the preset's vocabulary (tiny: the tokenizer's), ids past the "
-                                       "tokenizer decode to nothing)."),
-             data: str = typer.Option("builtin:sample_math", help="Dataset (see the recipe's data.source)."),
+                                       "every row runs to eval.max_new_tokens; prompts use the bundled tokenizer, "
+                                       "the model keeps the preset's vocabulary (tiny: the tokenizer's), ids past "
+                                       "the tokenizer decode to nothing)."),
              split: str = typer.Option("test", help="test (the seeded held-out split), train or all."),
-             limit: Optional[int] = typer.Option(None, help="Evaluate at most N examples."),
-             batch_size: int = typer.Option(8, help="Prompts per generation batch (streamed: tokens/s grows with "
-                                            "it, each step streams the whole model once)."),
-             max_new_tokens: int = typer.Option(256, help="Generation length limit."),
              mode: str = typer.Option("auto", help="resident (whole model on the device), streamed (weights stay "
                                       "in host memory, every layer streams to the device each step: models larger "
                                       "than the GPU; decoding is bound by the host link) or auto (resident when "
                                       "it fits in free device memory; resident on CPU)."),
              output_dir: Optional[Path] = typer.Option(None, help="Where results.json and predictions.jsonl go "
                                                        "(default: MODEL/eval/; for preset:NAME, runs/eval/NAME/)."),
-             device: str = typer.Option("auto", help="auto, cpu or cuda."),
-             prompt: str = typer.Option("auto", help="chat (the tokenizer's chat template; few-shot examples as "
-                                        "earlier turns), plain ('Question: ... Answer: ') or auto (chat when the "
-                                        "tokenizer has a template)."),
-             num_fewshot: int = typer.Option(0, help="Solved examples before each question, drawn from the train "
-                                             "split, seeded per question (GSM8K in lm-evaluation-harness: 5)."),
-             fewshot_seed: int = typer.Option(1234, help="Seed of the few-shot draw."),
-             extract: str = typer.Option("flexible", help="strict (only a marked answer: 'The answer is', '####', "
-                                         "\\boxed{}) or flexible (also the last number); both scores are in "
-                                         "results.json."),
-             test_data: Optional[str] = typer.Option(None, help="A separate test set (its 'test' split where it has "
-                                                     "splits) instead of the seeded hold-out of --data, which then "
-                                                     "is all train split (few-shot pool): GSM8K's own test set is "
-                                                     "--data openai/gsm8k:main --test-data openai/gsm8k:main."),
-             registry: Optional[str] = typer.Option(None, help="Dataset registry file, for --data registry:NAME."),
-             system_prompt: Optional[str] = typer.Option(None, help="System message for examples without one."),
              debug: bool = _debug_option()) -> None:
-    """Exact-match accuracy of greedy answers on math word problems (MetaMathQA / GSM8K style), with
-    generated tokens/s, mode and wall time in results.json, and the protocol the score depends on (prompt,
-    few-shot, extraction, decoding). Exit codes: 2 bad input, 3 will not fit in host memory (the smallest
-    of /proc's and the cgroups' limits)."""
+    """Exact-match accuracy of greedy answers on math word problems (MetaMathQA / GSM8K style) of MODEL on
+    RECIPE's data under its eval keys (no RECIPE: the schema's defaults, builtin:sample_math), then key=value
+    overrides as for `train`, e.g. `eval.limit=8 engine.device=cpu`; generated tokens/s, mode and wall time
+    in results.json, and the protocol the score depends on (prompt, few-shot, extraction, decoding). Exit
+    codes: 2 bad input, 3 will not fit in host memory (the smallest of /proc's and the cgroups' limits)."""
     from megatrain_cli.eval.run import run_eval
-    from megatrain_cli.eval.source import MODES, PRESET_PREFIX, WouldNotFit
-    from megatrain_cli.recipe import DataConfig, EvalConfig
-    from megatrain_cli.train.model_files import check_model_dir
-    from megatrain_cli.train.preflight import check_output_dir
+    from megatrain_cli.eval.settings import default_output_dir, eval_recipe
+    from megatrain_cli.eval.source import WouldNotFit
+    from megatrain_cli.train.preflight import check_eval
 
     with _answered(debug):
-        if mode not in MODES:
-            _fail(f"--mode: expected one of {', '.join(MODES)}, got {mode!r}")
-        for option, value in (("--limit", limit), ("--batch-size", batch_size), ("--max-new-tokens", max_new_tokens)):
-            if value is not None and value < 1:
-                _fail(f"{option}: must be >= 1, got {value}")
-        for option, value, choices in (("--prompt", prompt, ("auto", "chat", "plain")),
-                                       ("--extract", extract, ("strict", "flexible"))):
-            if value not in choices:
-                _fail(f"{option}: expected one of {', '.join(choices)}, got {value!r}")
-        if num_fewshot < 0:
-            _fail(f"--num-fewshot: must be >= 0, got {num_fewshot}")
-        if num_fewshot and split != "test":
-            _fail("--num-fewshot: the few-shot examples come from the train split, so --split must be test")
-        for option, value in (("--data", data), ("--test-data", test_data)):
-            if value and value.startswith("registry:") and not registry:
-                _fail(f"{option} {value}: names a registry dataset; give the registry file with --registry")
-        if model.startswith(PRESET_PREFIX):
-            out = output_dir or Path("runs") / "eval" / model.removeprefix(PRESET_PREFIX)
-        else:
-            check_model_dir(model, "--model")
-            out = output_dir or Path(model) / "eval"
-        check_output_dir(out, "--output-dir")
+        r = eval_recipe(ctx.args)
+        out = output_dir or default_output_dir(model)
+        check_eval(model, out)
         try:
-            run_eval(model, data, split=split, limit=limit, batch_size=batch_size, max_new_tokens=max_new_tokens,
-                     output_dir=str(out), device=device, mode=mode,
-                     data_cfg=DataConfig(source=data, test_source=test_data, registry=registry,
-                                         system_prompt=system_prompt),
-                     eval_cfg=EvalConfig(prompt=prompt, num_fewshot=num_fewshot, fewshot_seed=fewshot_seed,
-                                         extract=extract))
+            run_eval(r, model, split=split, mode=mode, output_dir=out)
         except WouldNotFit as err:
             _fail(str(err), 3)
 

@@ -26,14 +26,50 @@ def models(tmp_path_factory) -> Path:
 
 # ---------------------------------------------------------------- megatrain eval
 @pytest.mark.parametrize("args,culprit", [
-    (["--limit", "0"], "--limit"), (["--batch-size", "0"], "--batch-size"), (["--max-new-tokens", "0"], "--max-new-tokens"),
-    (["--split", "dev"], "split"), (["--device", "tpu"], "device"), (["--mode", "fast"], "--mode"),
-    (["--data", "/no/such/data.jsonl"], "data.jsonl"),
-], ids=["limit", "batch-size", "max-new-tokens", "split", "device", "mode", "data"])
+    (["eval.limit=0"], "eval.limit"), (["eval.batch_size=0"], "eval.batch_size"),
+    (["eval.max_new_tokens=0"], "eval.max_new_tokens"), (["--split", "dev"], "--split"),
+    (["engine.device=tpu"], "engine.device"), (["--mode", "fast"], "--mode"),
+    (["data.source=/no/such/data.jsonl"], "data.jsonl"), (["eval.limt=8"], "did you mean 'eval.limit'"),
+], ids=["limit", "batch-size", "max-new-tokens", "split", "device", "mode", "data", "typo"])
 def test_eval_option_refused(tmp_path, models, args, culprit):
     before = snapshot(models / "one")
     refused(megatrain("eval", "--model", models / "one", "--output-dir", tmp_path / "ev", *args), 2, culprit)
     assert snapshot(models / "one") == before and not (tmp_path / "ev").exists()
+
+
+# Every option `megatrain eval` had before it took the recipe: a recipe key now, answered with it.
+OLD_EVAL_FLAGS = [
+    ("--data", "x.jsonl", "data.source="), ("--test-data", "x.jsonl", "data.test_source="),
+    ("--registry", "r.yaml", "data.registry="), ("--system-prompt", "Be brief.", "data.system_prompt="),
+    ("--limit", "8", "eval.limit="), ("--batch-size", "2", "eval.batch_size="),
+    ("--max-new-tokens", "8", "eval.max_new_tokens="), ("--prompt", "chat", "eval.prompt="),
+    ("--num-fewshot", "5", "eval.num_fewshot="), ("--fewshot-seed", "7", "eval.fewshot_seed="),
+    ("--extract", "strict", "eval.extract="), ("--device", "cpu", "engine.device="),
+]
+
+
+@pytest.mark.parametrize("flag,value,key", OLD_EVAL_FLAGS, ids=[f for f, _, _ in OLD_EVAL_FLAGS])
+def test_old_eval_flag_answers_with_its_recipe_key(tmp_path, models, flag, value, key):
+    """Its value is not taken for the recipe; the key it names exists in the schema and takes that value."""
+    from megatrain_cli.eval.settings import eval_recipe
+
+    out = refused(megatrain("eval", "--model", models / "one", "--output-dir", tmp_path / "ev", flag, value), 2,
+                  f"{flag}: now a recipe key: {key}")
+    assert "recipe file not found" not in out and not (tmp_path / "ev").exists()
+    section, name = key.removesuffix("=").split(".")
+    assert str(getattr(getattr(eval_recipe([f"{key}{value}"]), section), name)) == value
+
+
+def test_eval_with_a_recipe_and_overrides(tmp_path, models):
+    """`megatrain eval RECIPE key=value`: the recipe's data and eval keys (tiny.yaml: eval.max_new_tokens 48),
+    the overrides over them; its model and training keys are not read (--model is the model)."""
+    out = tmp_path / "ev"
+    result = megatrain("eval", TINY, "eval.limit=2", "engine.device=cpu", "--model", models / "one",
+                       "--output-dir", out)
+    assert result.exit_code == 0, result.output
+    results = json.loads((out / "results.json").read_text())
+    assert (results["total"], results["limit"], results["max_new_tokens"]) == (2, 2, 48)
+    assert results["model_path"] == str(models / "one") and results["data_source"] == "builtin:sample_math"
 
 
 def test_eval_on_a_step_checkpoint_says_export_it(models):
@@ -57,7 +93,7 @@ def test_eval_writes_under_the_models_folder_not_the_current_one(tmp_path, model
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
-    result = megatrain("eval", "--model", model, "--device", "cpu", "--limit", "1", "--max-new-tokens", "2")
+    result = megatrain("eval", "--model", model, "engine.device=cpu", "eval.limit=1", "eval.max_new_tokens=2")
     assert result.exit_code == 0, result.output
     assert list(cwd.iterdir()) == []
     assert json.loads((model / "eval" / "results.json").read_text())["total"] == 1

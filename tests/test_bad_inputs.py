@@ -142,7 +142,7 @@ def test_eval_on_a_broken_model_folder(tmp_path, model_copy, damage):
     model = model_copy("sharded" if damage.startswith("sharded") else "one")
     culprit = break_model(damage, model)
     before = snapshot(model)
-    refused(megatrain("eval", "--model", model, "--device", "cpu"), 2, "--model", culprit)
+    refused(megatrain("eval", "--model", model, "engine.device=cpu"), 2, "--model", culprit)
     assert snapshot(model) == before
 
 
@@ -275,8 +275,8 @@ def test_dry_run_that_fits_says_so(tmp_path):
 def test_eval_over_the_host_limit_exits_3_before_loading(tmp_path, monkeypatch, models):
     fake_cgroup(tmp_path, monkeypatch, 64 * 2**20)
     before = snapshot(models / "one")
-    refused(megatrain("eval", "--model", models / "one", "--device", "cpu", "--limit", "2",
-                      "--output-dir", tmp_path / "ev"), 3, "host memory", "cgroup v2 memory.max", "--batch-size")
+    refused(megatrain("eval", "--model", models / "one", "engine.device=cpu", "eval.limit=2",
+                      "--output-dir", tmp_path / "ev"), 3, "host memory", "cgroup v2 memory.max", "eval.batch_size")
     assert snapshot(models / "one") == before and not (tmp_path / "ev").exists()
 
 

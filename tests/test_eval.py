@@ -13,8 +13,9 @@ from megatrain_cli.eval import run as run_module
 from megatrain_cli.data.answers import answers_match, extract_answer, normalize_number
 from megatrain_cli.eval.generate import Generation, StopOnStrings, _finish, generate_greedy
 from megatrain_cli.eval.run import run_eval
+from megatrain_cli.eval.settings import eval_recipe
 from megatrain_cli.models.tokenizer import load_bundled_tokenizer
-from megatrain_cli.recipe import DataConfig
+from megatrain_cli.recipe import DataConfig, Recipe
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"
 RESULT_KEYS = {"accuracy", "correct", "total", "unparseable", "generated_tokens", "tokens_per_s", "generation_s",
@@ -121,16 +122,58 @@ def test_left_padded_batches_generate_what_single_prompts_do(tok):
 
 
 # ---------------------------------------------------------------- run_eval end to end
+def settings(*overrides: str) -> Recipe:
+    """What `megatrain eval key=value ...` runs with: no recipe file (the schema's defaults), then `overrides`."""
+    return eval_recipe(list(overrides))
+
+
 def read_outputs(out: Path) -> tuple[dict, list[dict]]:
     results = json.loads((out / "results.json").read_text())
     predictions = [json.loads(line) for line in (out / "predictions.jsonl").read_text().splitlines()]
     return results, predictions
 
 
+# The 17 options `megatrain eval` had before it took the recipe (issue 29).
+OLD_OPTIONS = ["--model", "--data", "--split", "--limit", "--batch-size", "--max-new-tokens", "--mode", "--output-dir",
+               "--device", "--prompt", "--num-fewshot", "--fewshot-seed", "--extract", "--test-data", "--registry",
+               "--system-prompt", "--debug"]
+
+
+def test_eval_takes_the_recipe_schema():
+    """No RECIPE: the schema's defaults, one per key (eval.limit 64, as the trainer's eval; null: every
+    example), without the model and run length only training needs; the values checked by load_recipe.
+    `eval --help` lists the recipe keys, and every old option is a measurement flag or names its key."""
+    from typer.testing import CliRunner
+
+    from megatrain_cli.cli import app
+    from megatrain_cli.eval.settings import MOVED_FLAGS
+    from megatrain_cli.recipe import EvalConfig, RecipeError
+
+    r = eval_recipe([])
+    assert (r.data, r.eval, r.engine) == (Recipe().data, Recipe().eval, Recipe().engine)
+    assert r.eval.limit == EvalConfig().limit == 64 and r.data.source == "builtin:sample_math"
+    assert eval_recipe(["eval.limit=null"]).eval.limit is None
+    for override, problem in (("eval.prompt=fancy", "eval.prompt: expected 'auto' | 'chat' | 'plain', got 'fancy'"),
+                              ("eval.limit=0", "eval.limit: must be >= 1 or null, got 0")):
+        with pytest.raises(RecipeError) as err:
+            eval_recipe([override])
+        assert err.value.problems == [problem]
+    result = CliRunner().invoke(app, ["eval", "--help"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    for key in ("eval.limit (int | null, default 64)", "eval.batch_size", "eval.num_fewshot", "data.source",
+                "data.test_source", "engine.device", "train.lr"):
+        assert key in text, key
+    flags = [f for f in OLD_OPTIONS if f not in MOVED_FLAGS]
+    assert flags == ["--model", "--split", "--mode", "--output-dir", "--debug"]
+    assert all(f in text for f in flags) and all(f"{f} -> {MOVED_FLAGS[f][1].split()[0]}" in text for f in MOVED_FLAGS)
+    assert sorted(MOVED_FLAGS) == sorted(set(OLD_OPTIONS) - set(flags))
+
+
 def test_run_eval_end_to_end_with_bundled_tokenizer(tmp_path, tok):
     make_model(tok, tmp_path / "model")  # no tokenizer files: eval falls back to the bundled one
-    returned = run_eval(str(tmp_path / "model"), "builtin:sample_math", limit=5, batch_size=2, max_new_tokens=8,
-                        output_dir=str(tmp_path / "out"), device="cpu", log=None)
+    returned = run_eval(settings("eval.limit=5", "eval.batch_size=2", "eval.max_new_tokens=8", "engine.device=cpu"),
+                        str(tmp_path / "model"), output_dir=str(tmp_path / "out"), log=None)
     results, predictions = read_outputs(tmp_path / "out")
     assert results == returned
     assert RESULT_KEYS <= set(results)
@@ -162,8 +205,8 @@ def test_run_eval_splits_and_scoring(tmp_path, tok, monkeypatch):
     monkeypatch.setattr(run_module, "generate_greedy", perfect)
     counts = {}
     for split in ("test", "train", "all"):
-        results = run_eval(str(tmp_path / "model"), source, split=split, output_dir=str(tmp_path / split),
-                           device="cpu", log=None)
+        results = run_eval(settings(f"data.source={source}", "engine.device=cpu"), str(tmp_path / "model"),
+                           split=split, output_dir=str(tmp_path / split), log=None)
         counts[split] = results["total"]
         assert results["accuracy"] == 1.0 and results["unparseable"] == 0
         assert results["tokens_per_s"] == 3 * results["total"] / 0.5
@@ -173,8 +216,8 @@ def test_run_eval_splits_and_scoring(tmp_path, tok, monkeypatch):
 def test_run_eval_refuses_data_without_gold_answers(tmp_path, tok):
     make_model(tok, tmp_path / "model")
     with pytest.raises(DataError, match="no gold answer"):
-        run_eval(str(tmp_path / "model"), str(FIXTURES / "no_gold.jsonl"), split="all", output_dir=str(tmp_path),
-                 log=None)
+        run_eval(settings(f"data.source={FIXTURES / 'no_gold.jsonl'}"), str(tmp_path / "model"), split="all",
+                 output_dir=str(tmp_path), log=None)
     with pytest.raises(ValueError, match="split"):
-        run_eval(str(tmp_path / "model"), "builtin:sample_math", split="dev", log=None)
+        run_eval(settings(), str(tmp_path / "model"), split="dev", log=None)
     assert not (tmp_path / "results.json").exists()

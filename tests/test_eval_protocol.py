@@ -18,9 +18,9 @@ from megatrain_cli.eval import run as run_module
 from megatrain_cli.eval.generate import Generation
 from megatrain_cli.eval.run import run_eval
 from megatrain_cli.models.tokenizer import load_bundled_tokenizer
-from megatrain_cli.recipe import DataConfig, EvalConfig, RecipeError, load_recipe
+from megatrain_cli.recipe import DataConfig, RecipeError, load_recipe
 from tests.test_chat_data import chat_tokenizer
-from tests.test_eval import make_model
+from tests.test_eval import make_model, settings
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL_KEYS = {"prompt", "prompt_format", "system_prompt", "num_fewshot", "fewshot_seed", "fewshot_split",
@@ -83,9 +83,9 @@ def test_results_record_the_protocol_and_both_scores(tmp_path, tok, sample, monk
     # A model that knows every answer but writes no marker: right when read flexibly, unreadable strictly.
     last_question = lambda text: text.rsplit("Question: ", 1)[1].removesuffix("\nAnswer: ")  # noqa: E731
     monkeypatch.setattr(run_module, "generate_greedy", fake_generate(lambda t: f"I get {golds[last_question(t)]}"))
-    common = dict(limit=4, max_new_tokens=16, device="cpu", log=None)
-    strict = run_eval(str(tmp_path / "model"), "builtin:sample_math", output_dir=str(tmp_path / "strict"),
-                      eval_cfg=EvalConfig(num_fewshot=2, extract="strict"), **common)
+    common = ("eval.limit=4", "eval.max_new_tokens=16", "engine.device=cpu")
+    strict = run_eval(settings(*common, "eval.num_fewshot=2", "eval.extract=strict"), str(tmp_path / "model"),
+                      output_dir=str(tmp_path / "strict"), log=None)
     assert (strict["accuracy"], strict["scores"], strict["unparseable"]) == (0.0, {"strict": 0.0, "flexible": 1.0}, 4)
     proto = strict["protocol"]
     assert PROTOCOL_KEYS <= set(proto)
@@ -96,13 +96,13 @@ def test_results_record_the_protocol_and_both_scores(tmp_path, tok, sample, monk
     assert json.loads((tmp_path / "strict" / "results.json").read_text()) == strict
     predictions = [json.loads(line) for line in (tmp_path / "strict" / "predictions.jsonl").read_text().splitlines()]
     assert all(p["prompt"].count("Question: ") == 3 for p in predictions)  # two examples, then the question
-    flexible = run_eval(str(tmp_path / "model"), "builtin:sample_math", output_dir=str(tmp_path / "flexible"),
-                        eval_cfg=EvalConfig(num_fewshot=2), **common)
+    flexible = run_eval(settings(*common, "eval.num_fewshot=2"), str(tmp_path / "model"),
+                        output_dir=str(tmp_path / "flexible"), log=None)
     assert (flexible["accuracy"], flexible["protocol"]["extract"]) == (1.0, "flexible")
     assert flexible["protocol"]["extract_markers"][-1] == "the last number"
     with pytest.raises(ValueError, match="the eval split must be test"):
-        run_eval(str(tmp_path / "model"), "builtin:sample_math", split="all", eval_cfg=EvalConfig(num_fewshot=1),
-                 output_dir=str(tmp_path), log=None)
+        run_eval(settings("eval.num_fewshot=1"), str(tmp_path / "model"), split="all", output_dir=str(tmp_path),
+                 log=None)
 
 
 def test_chat_prompts_stop_at_the_templates_end_of_turn(tmp_path, monkeypatch):
@@ -111,14 +111,14 @@ def test_chat_prompts_stop_at_the_templates_end_of_turn(tmp_path, monkeypatch):
     make_model(chatml, tmp_path / "model")
     generate = fake_generate(lambda t: "The answer is: 1")
     monkeypatch.setattr(run_module, "generate_greedy", generate)
-    results = run_eval(str(tmp_path / "model"), "builtin:sample_math", limit=2, output_dir=str(tmp_path / "out"),
-                       device="cpu", log=None, eval_cfg=EvalConfig(num_fewshot=1, prompt="auto"))
+    results = run_eval(settings("eval.limit=2", "engine.device=cpu", "eval.num_fewshot=1", "eval.prompt=auto"),
+                       str(tmp_path / "model"), output_dir=str(tmp_path / "out"), log=None)
     im_end = chatml.convert_tokens_to_ids("<|im_end|>")
     assert results["template"] == results["protocol"]["prompt"] == "chat" and results["protocol"]["fewshot_as_multiturn"]
     assert im_end in generate.stop_ids and results["protocol"]["stop_strings"] == []
     # The same model asked in plain text: another protocol, recorded as such.
-    plain = run_eval(str(tmp_path / "model"), "builtin:sample_math", limit=2, output_dir=str(tmp_path / "plain"),
-                     device="cpu", log=None, eval_cfg=EvalConfig(prompt="plain"))
+    plain = run_eval(settings("eval.limit=2", "engine.device=cpu", "eval.prompt=plain"), str(tmp_path / "model"),
+                     output_dir=str(tmp_path / "plain"), log=None)
     assert plain["protocol"]["prompt"] == "plain" and im_end not in generate.stop_ids
 
 
@@ -132,8 +132,11 @@ def test_recipe_eval_keys_and_cli_options():
             load_recipe(ROOT / "recipes" / "tiny.yaml", [override])
         assert any(p.startswith(problem) for p in err.value.problems), err.value.problems
     runner = CliRunner()
-    for args, message in ((["--num-fewshot", "2", "--split", "all"], "--split must be test"),
-                          (["--extract", "loose"], "--extract: expected one of strict, flexible"),
-                          (["--data", "registry:x"], "give the registry file with --registry")):
+    for args, message in ((["eval.num_fewshot=2", "--split", "all"],
+                           "eval.num_fewshot: the few-shot examples come from the train split, so the eval split "
+                           "must be test (--split test), got 'all'"),
+                          (["eval.extract=loose"], "eval.extract: expected 'strict' | 'flexible'"),
+                          (["data.source=registry:x"], "set data.registry to the registry file"),
+                          (["--num-fewshot", "2"], "--num-fewshot: now a recipe key: eval.num_fewshot=N")):
         result = runner.invoke(app, ["eval", "--model", "preset:tiny", *args])
         assert result.exit_code == 2 and message in result.output, result.output

@@ -128,7 +128,7 @@ def run_cli(*args: str):
 
 
 def test_cli_eval_preset_streamed_writes_speed_and_matches_resident(tmp_path):
-    common = ["--model", "preset:tiny", "--limit", "4", "--max-new-tokens", "8", "--device", "cpu"]
+    common = ["--model", "preset:tiny", "eval.limit=4", "eval.max_new_tokens=8", "engine.device=cpu"]
     streamed = run_cli(*common, "--mode", "streamed", "--output-dir", str(tmp_path / "streamed"))
     assert streamed.exit_code == 0, streamed.output
     results = json.loads((tmp_path / "streamed" / "results.json").read_text())
@@ -147,16 +147,15 @@ def test_cli_eval_preset_streamed_writes_speed_and_matches_resident(tmp_path):
 def test_run_eval_streams_an_hf_directory_as_it_runs_it_resident(tmp_path):
     """Weights read from safetensors into the host store, the directory's tokenizer and generation config."""
     from megatrain_cli.eval.run import run_eval
+    from tests.test_eval import settings
 
     tok = load_bundled_tokenizer()
     config, store = tiny_store("LlamaForCausalLM", False, vocab=len(tok))
     reference_model(store, config).save_pretrained(tmp_path / "model")
     tok.save_pretrained(tmp_path / "model")
-    kw = dict(limit=6, batch_size=4, max_new_tokens=6, device="cpu", log=None)
-    resident = run_eval(str(tmp_path / "model"), "builtin:sample_math", mode="resident",
-                        output_dir=str(tmp_path / "resident"), **kw)
-    streamed = run_eval(str(tmp_path / "model"), "builtin:sample_math", mode="streamed",
-                        output_dir=str(tmp_path / "streamed"), **kw)
+    r = settings("eval.limit=6", "eval.batch_size=4", "eval.max_new_tokens=6", "engine.device=cpu")
+    resident = run_eval(r, str(tmp_path / "model"), mode="resident", output_dir=str(tmp_path / "resident"), log=None)
+    streamed = run_eval(r, str(tmp_path / "model"), mode="streamed", output_dir=str(tmp_path / "streamed"), log=None)
     assert (resident["mode"], streamed["mode"]) == ("resident", "streamed")
     assert streamed["generated_tokens"] == resident["generated_tokens"] > 0
     assert (tmp_path / "resident" / "predictions.jsonl").read_text() == \
@@ -166,7 +165,7 @@ def test_run_eval_streams_an_hf_directory_as_it_runs_it_resident(tmp_path):
 def test_cli_eval_rejects_bad_mode_and_preset(tmp_path):
     bad_mode = run_cli("--model", "preset:tiny", "--mode", "fast", "--output-dir", str(tmp_path))
     assert bad_mode.exit_code == 2 and "--mode" in bad_mode.output
-    bad_preset = run_cli("--model", "preset:nope", "--limit", "1", "--device", "cpu", "--output-dir", str(tmp_path))
+    bad_preset = run_cli("--model", "preset:nope", "eval.limit=1", "engine.device=cpu", "--output-dir", str(tmp_path))
     assert bad_preset.exit_code == 2 and "unknown preset" in bad_preset.output
     assert not (tmp_path / "results.json").exists()
 

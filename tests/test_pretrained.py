@@ -244,8 +244,8 @@ def test_eval_equals_plain_transformers_generation(trained, tokenizer, splits, t
     from megatrain_cli.data.answers import answers_match, extract_answer
 
     final = trained / "final"
-    p = megatrain("eval", "--model", final, "--limit", EVAL_LIMIT, "--max-new-tokens", EVAL_TOKENS, "--device", "cpu",
-                  "--batch-size", 1, "--output-dir", tmp_path)
+    p = megatrain("eval", "--model", final, f"eval.limit={EVAL_LIMIT}", f"eval.max_new_tokens={EVAL_TOKENS}",
+                  "engine.device=cpu", "eval.batch_size=1", "--output-dir", tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     results = json.loads((tmp_path / "results.json").read_text())
     preds = [json.loads(line) for line in (tmp_path / "predictions.jsonl").read_text().splitlines()]

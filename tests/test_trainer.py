@@ -209,7 +209,7 @@ def test_signal_checkpoints_and_resume_continues(tmp_path, sig, code):
 # ---------------------------------------------------------------- (e) eval on the trained model
 def test_eval_on_trained_model_writes_results(straight, tmp_path):
     d = tmp_path / "eval"
-    p = megatrain("eval", "--model", straight / "final", "--limit", 4, "--max-new-tokens", 8, "--device", "cpu",
+    p = megatrain("eval", "--model", straight / "final", "eval.limit=4", "eval.max_new_tokens=8", "engine.device=cpu",
                   "--output-dir", d)
     assert p.returncode == 0, p.stderr
     results = json.loads((d / "results.json").read_text())

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatrain_cli.recipe import Recipe, RecipeError, load_recipe
+from megatrain_cli.recipe import Recipe, command_line
 
 
 def default_recipe() -> Path:
@@ -64,7 +64,7 @@ def shorthands(*, model: str | None = None, seq: str | int | None = None, batch:
 
 
 # bench's flags before the recipe: each is now a recipe key. (flag, takes a value, what to write instead)
-MOVED_FLAGS = {
+MOVED_FLAGS: command_line.MovedFlags = {
     "--checkpoint-interval": (True, "engine.checkpoint_interval=N"),
     "--layer-slots": (True, "engine.layer_slots=N"),
     "--max-gpu-mem": (True, "engine.max_gpu_mem=24GiB"),
@@ -85,32 +85,13 @@ MOVED_FLAGS = {
     "--dashboard": (True, "logging.dashboard=auto|rich|plain|off"),
     "--device-cast": (False, None),
 }
+SETTINGS = "engine settings"  # what the recipe keys hold, in the answer to an unknown option
 
 
 def split_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
-    """The command line's words besides its options, in order: (the recipe path or None, the key=value /
-    ~key overrides, problems). One word without '=' is the recipe; an old flag (MOVED_FLAGS) is answered
-    with its key, its value skipped."""
-    recipe, overrides, problems, i = None, [], [], 0
-    while i < len(args):
-        arg = args[i]
-        flag = arg.split("=", 1)[0]
-        i += 1
-        if flag in MOVED_FLAGS:
-            takes_value, key = MOVED_FLAGS[flag]
-            i += int(takes_value and "=" not in arg and i < len(args))
-            problems.append(f"{flag}: removed (the feature is gone)" if key is None else
-                            f"{flag}: now a recipe key: {key}")
-        elif arg.startswith("-") and not arg.startswith("~"):
-            problems.append(f"{arg}: no such option of `megatrain bench` (engine settings are recipe keys, "
-                            f"key.sub=value; `megatrain bench --help` lists them)")
-        elif "=" in arg or arg.startswith("~"):
-            overrides.append(arg)
-        elif recipe is None:
-            recipe = arg
-        else:
-            problems.append(f"{arg}: one recipe at most (already {recipe}); overrides are key.sub=value")
-    return recipe, overrides, problems
+    """The command line's words besides its options: (the recipe path or None, the overrides, problems);
+    an old flag (MOVED_FLAGS) is answered with its key (recipe/command_line.py)."""
+    return command_line.split_args(args, MOVED_FLAGS, "bench", SETTINGS)
 
 
 def bench_recipe(args: list[str] = (), *, shorthand: list[str] = ()) -> Recipe:
@@ -119,14 +100,8 @@ def bench_recipe(args: list[str] = (), *, shorthand: list[str] = ()) -> Recipe:
     by load_recipe. Raises RecipeError listing every problem, the old flags' included. data.packing
     is set false: bench's batches are one document per row, and the planner refuses packed rows too
     long for their mask."""
-    path, overrides, problems = split_args(list(args))
-    path = path or default_recipe()
-    try:
-        r = load_recipe(path, [*shorthand, *overrides])
-    except RecipeError as err:
-        problems += err.problems
-    if problems:
-        raise RecipeError(problems, str(path))
+    r = command_line.command_recipe(args, MOVED_FLAGS, "bench", settings=SETTINGS, default=default_recipe(),
+                                    shorthand=shorthand)
     return dataclasses.replace(r, data=dataclasses.replace(r.data, packing=False))
 
 

@@ -24,20 +24,10 @@ import random
 from megatrain_cli.data.answers import EXTRACT_MODES, TOLERANCE, answers_match, extract_answer
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
-from megatrain_cli.data.prompts import PLAIN_TEMPLATE, TEMPLATES
+from megatrain_cli.data.prompts import PLAIN_TEMPLATE
 from megatrain_cli.recipe import DataConfig, EvalConfig
 
 MARKERS = ["The answer is", "####", "\\boxed{}"]
-
-
-def check(eval_cfg: EvalConfig) -> None:
-    """The protocol's settings, before anything is loaded."""
-    if eval_cfg.prompt not in TEMPLATES:
-        raise ValueError(f"prompt: expected one of {', '.join(TEMPLATES)}, got {eval_cfg.prompt!r}")
-    if eval_cfg.extract not in EXTRACT_MODES:
-        raise ValueError(f"extract: expected one of {', '.join(EXTRACT_MODES)}, got {eval_cfg.extract!r}")
-    if eval_cfg.num_fewshot < 0:
-        raise ValueError(f"num_fewshot: must be >= 0, got {eval_cfg.num_fewshot}")
 
 
 def template(eval_cfg: EvalConfig, data_cfg: DataConfig) -> str:
@@ -69,9 +59,8 @@ def score(outputs: list[str], golds: list[str | None]) -> dict[str, list[tuple[s
                    zip((extract_answer(text, mode) for text in outputs), golds)] for mode in EXTRACT_MODES}
 
 
-def describe(eval_cfg: EvalConfig, data_cfg: DataConfig, *, chat: bool, tokenizer, split: str, limit: int | None,
-             total: int, source: str, stop: list[str], stop_ids: list[int], max_new_tokens: int, dtype: str,
-             batch_size: int) -> dict:
+def describe(eval_cfg: EvalConfig, data_cfg: DataConfig, *, chat: bool, tokenizer, split: str, total: int,
+             source: str, stop: list[str], stop_ids: list[int], dtype: str) -> dict:
     """Every setting that changes the score, for results.json."""
     prompt_format = ("the tokenizer's chat template (sha256 "
                      f"{hashlib.sha256(str(tokenizer.chat_template).encode()).hexdigest()[:16]})" if chat
@@ -86,9 +75,9 @@ def describe(eval_cfg: EvalConfig, data_cfg: DataConfig, *, chat: bool, tokenize
         "extract": eval_cfg.extract,
         "extract_markers": MARKERS + (["the last number"] if eval_cfg.extract == "flexible" else []),
         "match": f"numeric within {TOLERANCE:g} (relative above 1), else normalised text",
-        "decoding": "greedy", "max_new_tokens": max_new_tokens, "stop_strings": stop, "stop_token_ids": stop_ids,
-        "dtype": dtype, "batch_size": batch_size,
-        "data": source, "split": split, "limit": limit, "examples": total,
+        "decoding": "greedy", "max_new_tokens": eval_cfg.max_new_tokens, "stop_strings": stop,
+        "stop_token_ids": stop_ids, "dtype": dtype, "batch_size": eval_cfg.batch_size,
+        "data": source, "split": split, "limit": eval_cfg.limit, "examples": total,
         "test_source": data_cfg.test_source, "test_fraction": data_cfg.test_fraction,
         "split_seed": data_cfg.split_seed,
     }

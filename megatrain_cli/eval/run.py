@@ -23,46 +23,32 @@ from megatrain_cli.data.prompts import default_prefix_ids, encode_prompt, eos_id
 from megatrain_cli.data.turns import end_of_turn_id
 from megatrain_cli.eval import protocol
 from megatrain_cli.eval.generate import generate_greedy
+from megatrain_cli.eval.settings import check_options
 from megatrain_cli.eval.source import check_host_memory, choose_mode, host_bytes, load_resident, load_streamed, \
     model_eos_ids, num_params, resolve_model
 from megatrain_cli.models.tokenizer import has_tokenizer_files, load_bundled_tokenizer, load_tokenizer_dir
-from megatrain_cli.recipe import DataConfig, EvalConfig
+from megatrain_cli.recipe import DataConfig, Recipe
 
-SPLITS = ("test", "train", "all")
 RESULTS_FILE = "results.json"
 PREDICTIONS_FILE = "predictions.jsonl"
 
 
-def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: int | None = None,
-             batch_size: int = 8, max_new_tokens: int = 256, output_dir: str = ".", device: str = "auto",
-             mode: str = "auto", data_format: str = "auto", template: str = "auto", test_fraction: float = 0.3,
-             split_seed: int = 1234, data_cfg: DataConfig | None = None, eval_cfg: EvalConfig | None = None,
+def run_eval(r: Recipe, model_path: str, *, split: str = "test", mode: str = "auto", output_dir: str | Path = ".",
              log: Callable[[str], None] | None = print) -> dict:
-    """Evaluate `model_path` on `data_source`; write results.json and predictions.jsonl; return the results.
+    """Evaluate `model_path` on r.data's `split` under r.eval's protocol, on r.engine.device; write
+    results.json and predictions.jsonl into `output_dir`; return the results.
 
-    `model_path` is an HF model directory or `preset:NAME` (random weights, for speed: see `source`).
-    `mode` is resident, streamed or auto (see `source.choose_mode`).
-    `data_cfg`, when given (the trainer passes its recipe's), replaces data_source / data_format /
-    template / test_fraction / split_seed, so fields, max_samples and test_source carry over too.
-    `eval_cfg` gives the protocol (prompt, num_fewshot, fewshot_seed, extract; its other keys are the
-    arguments above); None: the defaults, zero-shot with flexible extraction.
+    `r`: a recipe as load_recipe returns it (its values checked; model and train keys unread): `megatrain
+    eval`'s, or the trainer's own. `model_path` is an HF model directory or `preset:NAME` (random weights,
+    for speed: see `source`); `mode` is resident, streamed or auto (see `source.choose_mode`).
     """
     started = time.perf_counter()
     log = log or (lambda _msg: None)
-    # The settings first, then the data, then the memory check: all before the model is loaded.
-    if split not in SPLITS:
-        raise ValueError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
-    for name, value in (("batch_size", batch_size), ("max_new_tokens", max_new_tokens), ("limit", limit)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name}: must be >= 1, got {value}")
-    ecfg = eval_cfg or EvalConfig()
-    protocol.check(ecfg)
-    if ecfg.num_fewshot and split != "test":
-        raise ValueError(f"num_fewshot: the few-shot examples come from the train split, so the eval split must be "
-                         f"test, got {split!r}")
-    dev = resolve_device(device)
-    cfg = data_cfg or DataConfig(source=data_source, format=data_format, template=template,
-                                 test_fraction=test_fraction, split_seed=split_seed)
+    # The options first, then the data, then the memory check: all before the model is loaded.
+    cfg, ecfg = r.data, r.eval
+    check_options(ecfg, split=split, mode=mode)
+    dev = resolve_device(r.engine.device)
+    limit, batch_size, max_new_tokens = ecfg.limit, ecfg.batch_size, ecfg.max_new_tokens
     everything = load_examples(cfg)
     examples = select_examples(cfg, split, limit, everything)
     if ecfg.num_fewshot:
@@ -121,10 +107,9 @@ def run_eval(model_path: str, data_source: str, *, split: str = "test", limit: i
         "dtype": str(dtype).removeprefix("torch."), "batch_size": batch_size, "max_new_tokens": max_new_tokens,
         "mode": chosen, "params": params, "load_s": load_s,
         "predictions": str(out / PREDICTIONS_FILE),
-        "protocol": protocol.describe(ecfg, cfg, chat=chat, tokenizer=tokenizer, split=split, limit=limit,
-                                      total=len(examples), source=label, stop=stop, stop_ids=eos_ids,
-                                      max_new_tokens=max_new_tokens, dtype=str(dtype).removeprefix("torch."),
-                                      batch_size=batch_size),
+        "protocol": protocol.describe(ecfg, cfg, chat=chat, tokenizer=tokenizer, split=split, total=len(examples),
+                                      source=label, stop=stop, stop_ids=eos_ids,
+                                      dtype=str(dtype).removeprefix("torch.")),
     }
     if chosen == "streamed":
         # Weights copied to the device (0 on CPU, where nothing moves) over the generation time: the
@@ -148,8 +133,6 @@ def select_examples(cfg: DataConfig, split: str, limit: int | None, examples=Non
         train, test = split_examples(examples, cfg)
         examples = test if split == "test" else train
     if limit is not None:
-        if limit < 1:
-            raise ValueError(f"limit: must be >= 1, got {limit}")
         examples = examples[:limit]
     if not examples:
         raise DataError(f"{source_label(cfg)}: the {split} split is empty (test_fraction={cfg.test_fraction})")
@@ -164,12 +147,11 @@ def select_examples(cfg: DataConfig, split: str, limit: int | None, examples=Non
 
 
 def resolve_device(device: str) -> torch.device:
+    """engine.device (auto, cpu or cuda: the recipe's type says so) as a torch device."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device: expected auto, cpu or cuda, got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' asked for, but no CUDA device is available")
+        raise ValueError("engine.device is 'cuda' but no CUDA device is available (use 'auto' or 'cpu')")
     return torch.device(device)
 
 

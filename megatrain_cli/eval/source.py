@@ -73,6 +73,11 @@ def model_eos_ids(source: ModelSource) -> list[int]:
 
 
 # ---------------------------------------------------------------- choosing resident or streamed
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"--mode: expected one of {', '.join(MODES)}, got {mode!r}")
+
+
 def num_params(config) -> int | None:
     """Parameters of the model (a tied head counted once); None if it is not one we can stream."""
     from megatrain_cli.models.adapter import ModelAdapter, UnsupportedArchitecture
@@ -100,8 +105,7 @@ def choose_mode(mode: str, source: ModelSource, params: int | None, device: torc
                 batch_size: int, max_positions: int) -> tuple[str, str]:
     """('resident' | 'streamed', why). `auto` is resident on CPU (streaming buys nothing where the weights
     already are), and on CUDA when `resident_bytes` fits in free device memory. `params` is `num_params`."""
-    if mode not in MODES:
-        raise ValueError(f"mode: expected one of {', '.join(MODES)}, got {mode!r}")
+    check_mode(mode)
     if mode != "auto":
         return mode, "asked for"
     if device.type != "cuda":
@@ -137,7 +141,7 @@ def check_host_memory(mode: str, need: int | None) -> None:
     if need is not None and limit.available and need > HOST_HEADROOM * limit.available:  # 0: unknown
         raise WouldNotFit(f"eval: {mode} generation needs about {need / GIB:.2f} GiB of host memory, more than "
                           f"the smallest host limit allows ({limit.describe()}). Use a machine or job with more "
-                          f"memory, or a smaller --batch-size or --max-new-tokens (the KV cache)")
+                          f"memory, or a smaller eval.batch_size or eval.max_new_tokens (the KV cache)")
 
 
 # ---------------------------------------------------------------- loading

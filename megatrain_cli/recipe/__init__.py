@@ -1,5 +1,5 @@
-"""The recipe: one typed schema (schema.py), the rules its values obey (checks.py) and how a YAML file plus
-overrides becomes one (load.py)."""
+"""The recipe: one typed schema (schema.py), the rules its values obey (checks.py), how a YAML file plus
+overrides becomes one (load.py), and a command's recipe from its command line (command_line.py)."""
 
 from megatrain_cli.recipe.checks import parse_bytes, parse_duration
 from megatrain_cli.recipe.load import apply_overrides, load_recipe, render_yaml, schema_help, to_dict

@@ -45,10 +45,11 @@ def non_finite(value) -> bool:
     return isinstance(value, float) and not math.isfinite(value)
 
 
-def check_semantics(r: Recipe, problems: list[str]) -> None:
-    """Every rule the types cannot say, each broken one appended to `problems`."""
-    _check_model(r, problems)
-    _check_train(r, problems)
+def check_semantics(r: Recipe, problems: list[str], *, for_training: bool = True) -> None:
+    """Every rule the types cannot say, each broken one appended to `problems`. `for_training` False (`megatrain
+    eval`: --model names the model, nothing trains): the recipe need not choose a model nor a run length."""
+    _check_model(r, problems, for_training)
+    _check_train(r, problems, for_training)
     _check_engine(r, problems)
     _check_outputs(r, problems)
     _check_data(r, problems)
@@ -59,11 +60,11 @@ def _at_least(problems: list[str], key: str, value, low: int, *, nullable: bool 
         problems.append(f"{key}: must be >= {low}{' or null' if nullable else ''}, got {value}")
 
 
-def _check_model(r: Recipe, problems: list[str]) -> None:
+def _check_model(r: Recipe, problems: list[str], for_training: bool) -> None:
     from megatrain_cli.presets import PRESETS
 
     m = r.model
-    if (m.path is None) == (m.preset is None):
+    if for_training and (m.path is None) == (m.preset is None):
         problems.append("model: set exactly one of model.path and model.preset")
     if m.preset is not None and m.preset not in PRESETS:
         near = difflib.get_close_matches(m.preset, list(PRESETS), n=1)
@@ -76,9 +77,9 @@ def _check_model(r: Recipe, problems: list[str]) -> None:
             problems.append(f"{key}: empty; give a value or null")
 
 
-def _check_train(r: Recipe, problems: list[str]) -> None:
+def _check_train(r: Recipe, problems: list[str], for_training: bool) -> None:
     t, d = r.train, r.data
-    if (t.steps is None) == (t.epochs is None):
+    if for_training and (t.steps is None) == (t.epochs is None):
         problems.append("train: set exactly one of train.steps and train.epochs")
     for name in ("steps", "micro_batch_size", "grad_accum"):
         _at_least(problems, f"train.{name}", getattr(t, name), 1)

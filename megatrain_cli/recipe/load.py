@@ -136,8 +136,9 @@ def apply_overrides(data: dict, overrides: list[str], problems: list[str]) -> di
     return data
 
 
-def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
-    """Read a YAML recipe (or start from defaults when path is None), apply overrides, validate."""
+def load_recipe(path: str | Path | None, overrides: list[str] = (), *, for_training: bool = True) -> Recipe:
+    """Read a YAML recipe (or start from defaults when path is None), apply overrides, validate.
+    `for_training` False: a recipe without a model or a run length passes (recipe/checks.py)."""
     problems: list[str] = []
     data: dict = {}
     source = str(path) if path else "recipe"
@@ -154,7 +155,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = ()) -> Recipe:
     data = apply_overrides(data, list(overrides), problems)
     recipe = _build(Recipe, data, "", problems)
     if not problems:
-        check_semantics(recipe, problems)
+        check_semantics(recipe, problems, for_training=for_training)
     if problems:
         raise RecipeError(problems, source)
     return recipe

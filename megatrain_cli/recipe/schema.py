@@ -1,4 +1,4 @@
-"""The recipe's typed schema: every setting of `train` and `bench`, with its type, default and doc.
+"""The recipe's typed schema: every setting of `train`, `bench` and `eval`, with its type, default and doc.
 
 Every field is a dataclass field with a `doc` in its metadata; validation, `--help`, the resolved print
 and the commented example YAML all come from these classes (recipe/load.py); the rules their values obey
@@ -68,7 +68,9 @@ class DataConfig:
     split: Optional[str] = doc("Dataset split to read (for hub / saved datasets); None takes 'train'.", None)
     test_fraction: float = doc("Held-out fraction for the seeded random train/test split (paper: 0.3).", 0.3)
     test_source: Optional[str] = doc("An explicit test set instead of the random split (a data.source value, "
-                                     "'registry:NAME' included).", None)
+                                     "'registry:NAME' included; its 'test' split where it has splits); data.source "
+                                     "is then all train split (eval's few-shot pool). GSM8K's own test set: "
+                                     "data.source=openai/gsm8k:main data.test_source=openai/gsm8k:main.", None)
     split_seed: int = doc("Seed of the train/test split and of a mixture's draw (data.datasets).", 1234)
     max_samples: Optional[int] = doc("Use at most this many records (before splitting; a mixture's total).", None)
     packing: bool = doc("Pack several examples per row (block-causal attention, positions reset) so no "
@@ -201,8 +203,9 @@ class LoggingConfig:
 @dataclass
 class EvalConfig:
     enabled: bool = doc("Run exact-match eval on the held-out split at the end of training.", False)
-    limit: Optional[int] = doc("Evaluate at most N examples.", 64)
-    batch_size: int = doc("Prompts per generation batch.", 8)
+    limit: Optional[int] = doc("Evaluate at most N examples (the first N of the split); null: all of them.", 64)
+    batch_size: int = doc("Prompts per generation batch (streamed generation: tokens/s grows with it, each step "
+                          "streams the whole model once).", 8)
     max_new_tokens: int = doc("Generation length limit.", 256)
     num_fewshot: int = doc("Solved examples put before each question (GSM8K protocol: 5 in lm-evaluation-harness, "
                            "8 for chain of thought), drawn from the train split, seeded per question.", 0)

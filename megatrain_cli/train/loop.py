@@ -234,9 +234,7 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-        run_eval(str(out / "final"), r.data.source, split="test", limit=r.eval.limit,
-                 batch_size=r.eval.batch_size, max_new_tokens=r.eval.max_new_tokens, output_dir=str(out / "eval"),
-                 device=device.type, data_cfg=r.data, eval_cfg=r.eval)  # the protocol keys: eval/protocol.py
+        run_eval(r, str(out / "final"), split="test", output_dir=out / "eval")  # as `megatrain eval` runs it
     return code
 
 

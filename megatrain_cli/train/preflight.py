@@ -164,6 +164,16 @@ def check_export(checkpoint: Path, out: Path, dtype, *, force: bool) -> None:
             raise TrainingError(problem, 3)
 
 
+def check_eval(model: str, output_dir: str | Path) -> None:
+    """`megatrain eval --model MODEL --output-dir OUT`: MODEL is a usable model folder (preset:NAME, random
+    weights, has none) and OUT can be written (the recipe's keys were checked by load_recipe)."""
+    from megatrain_cli.eval.source import PRESET_PREFIX
+
+    if not model.startswith(PRESET_PREFIX):
+        check_model_dir(model, "--model")
+    check_output_dir(output_dir, "--output-dir")
+
+
 def check_output_file(path: str | Path, key: str) -> None:
     """A file a command writes at its end (bench --output, --frame) can be written: checked first, so a
     measurement is never lost to a typo in its destination."""
