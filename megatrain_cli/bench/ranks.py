@@ -35,7 +35,7 @@ from megatrain_cli.bench.runner import DoesNotFit, build, plan_bench
 from megatrain_cli.bench.settings import BenchRun
 from megatrain_cli.engine.dist import init_distributed, leave_process_group, multicast_off, split_micro_batches
 from megatrain_cli.engine.plan.step_plan import device_budget
-from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
+from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes, usable_cpus
 from megatrain_cli.metrics.flops import streamed_step_flops
 from megatrain_cli.recipe import Recipe
 from megatrain_cli.train.rank import RankSpec, under_torchrun
@@ -120,8 +120,7 @@ def run_rank(r: Recipe, run: BenchRun, spec: RankSpec | None, log=print) -> dict
     import torch.distributed as dist
 
     world = spec.world if spec.world is not None else int(os.environ["WORLD_SIZE"])
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cpus // world))  # the ranks share the host (torchrun would give each 1)
+    torch.set_num_threads(max(1, usable_cpus() // world))  # the ranks share the host (torchrun would give each 1)
     ctx = init_distributed(resolve_device(r.engine.device).type, init_method=spec.init_method, rank=spec.rank,
                            world_size=spec.world)
     try:

@@ -83,12 +83,13 @@ def run_rank(r: Recipe, spec: RankSpec, *, force: bool = False) -> int:
 
 def _child(rank: int, world: int, init_method: str, r: Recipe, force: bool) -> None:
     """One spawned rank (train/supervise.spawn_ranks has made it watch the launcher and set LOCAL_RANK)."""
+    from megatrain_cli.machine import usable_cpus
     from megatrain_cli.train import stop
     from megatrain_cli.train.supervise import peer_gone
 
     stop.install()
     stop.unblock()  # blocked by the launcher until now: a signal that came meanwhile is recorded here
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, usable_cpus() // world))  # the ranks share the host's CPUs
     try:
         code = run_rank(r, RankSpec(rank, world, init_method), force=force)
     except Exception as err:
