@@ -24,9 +24,9 @@ What is swapped (`install_kernels(template, kinds)`):
 The fused LM head + cross-entropy is not a module swap: Engine._head calls it (step.py).
 
 Precedence with the long-context pieces of lean_layers.py (the engine installs those first, then these):
-  - chunk_mlp wins over swiglu: a chunked MLP (long context) is left alone, its per-tile activation stays
+  - chunk_mlp wins over swiglu: a chunked MLP (long context) is left alone, its per-chunk activation stays
     eager. The chunked MLP's saving is memory ([T, intermediate] never exists), which matters more there
-    than the elementwise time; putting swiglu inside ChunkedMLP's tiles would need a change to lean_layers.py.
+    than the elementwise time; putting swiglu inside ChunkedMLP's chunks would need a change to lean_layers.py.
   - rms_norm replaces slim_norms' LeanRMSNorm: the kernel's autograd Function saves exactly what the lean
     norm saves (x, the weight by reference, one fp32 1/rms per row), with no fp32 temporaries at all in
     forward (the lean norm's are one 16K-row chunk) and one [programs, H] fp32 partial in backward. Where
