@@ -40,7 +40,7 @@ from megatrain_cli.metrics.flops import streamed_step_flops
 from megatrain_cli.recipe import Recipe
 from megatrain_cli.train.rank import RankSpec, under_torchrun
 from megatrain_cli.train.setup import resolve_device
-from megatrain_cli.train.stop import unblock
+from megatrain_cli.train.stop import SIGNALS, unblock
 from megatrain_cli.train.supervise import peer_gone, spawn_ranks
 
 GiB = 2**30
@@ -81,18 +81,13 @@ def bench_ranks(r: Recipe, run: BenchRun = BenchRun(), gpus: int | None = None, 
 
 
 def _spawned(rank: int, world: int, init_method: str, r: Recipe, run: BenchRun, report_path: str) -> None:
-    """One spawned rank: Ctrl-C (forwarded by the launcher) ends it at once, exit 130: a bench has nothing
-    to save; a refusal is said once (every rank has rank 0's verdict), exit 3 as in one process."""
+    """One spawned rank. A stop signal (forwarded by the launcher) ends it at once: a bench has nothing to
+    save. A refusal is said once (every rank has rank 0's verdict), exit 3 as in one process."""
+    for s in SIGNALS:  # the default actions (set: a launcher started with SIGINT ignored passes that on)
+        signal.signal(s, signal.SIG_DFL)
+    unblock()  # blocked by the launcher while the ranks started
     try:
-        # The default handlers (set: a launcher started with SIGINT ignored passes that on), then the signals
-        # the launcher blocked: SIGINT raises KeyboardInterrupt, SIGTERM and SIGUSR1 end the process.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for s in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(s, signal.SIG_DFL)
-        unblock()
         report = run_rank(r, run, RankSpec(rank, world, init_method), _log_stderr)
-    except KeyboardInterrupt:
-        sys.exit(130)
     except DoesNotFit as err:
         if rank == 0:
             _log_stderr(f"error: {err}")

@@ -102,8 +102,8 @@ class ShardedHostStore(LayoutQueries):
 
     @classmethod
     def from_full(cls, store: HostStore, rank: int, world: int, *, cpu_group=None) -> "ShardedHostStore":
-        """This rank's shards of a whole store (all four sections and the step counts): tests, and
-        the start of a run whose weights were loaded whole."""
+        """This rank's shards of a whole store (all four sections and the step counts): the tests' shards of
+        a one-process reference (a run builds its shard directly: models/loader.build_sharded_store)."""
         out = cls(store.adapter, store.compute_dtype, rank, world, cpu_group=cpu_group,
                   master_dtype=store.master_dtype)
         for name, tile in out.tiles.items():

@@ -4,7 +4,7 @@
     a signal to the launcher      SIGINT, SIGTERM, SIGUSR1 are forwarded to every rank; training ranks agree
                                   on it after the step in flight (train/rank.py), checkpoint and exit with
                                   its code (train/stop.py), which the launcher returns; bench ranks end
-                                  at once (130 on SIGINT)
+                                  at once, killed by it (the launcher returns 128 + its number)
     the launcher dies (SIGKILL)   each rank gets SIGTERM from the kernel (prctl PR_SET_PDEATHSIG, Linux) or
                                   from its own watch thread (the parent pid changed; polled twice a
                                   second): the same checkpoint and exit; an orphan still alive
@@ -128,6 +128,7 @@ class Supervisor:
     def __init__(self, procs: list, output_dir: str | None = None):
         self.procs, self.output_dir = procs, output_dir
         self.failure: tuple[int, int] | None = None  # (rank, exit code) of the first rank that failed
+        self._forwarded: set[int] = set()  # a rank that a forwarded signal ended has not failed
         self._old: dict = {}
 
     def install(self) -> None:
@@ -135,6 +136,7 @@ class Supervisor:
         self._old = {s: signal.signal(s, self._forward) for s in SIGNALS}
 
     def _forward(self, signum, _frame) -> None:
+        self._forwarded.add(signum)
         for p in self.procs:
             if p.exitcode is None:
                 try:
@@ -172,7 +174,7 @@ class Supervisor:
 
     def _check_failure(self) -> None:
         for rank, p in enumerate(self.procs):
-            if p.exitcode is not None and p.exitcode not in CLEAN_EXITS:
+            if p.exitcode is not None and p.exitcode not in CLEAN_EXITS and -p.exitcode not in self._forwarded:
                 self.failure = (rank, p.exitcode)
                 others = [r for r, q in enumerate(self.procs) if q.exitcode is None]
                 if p.exitcode > 0 and not others:
@@ -189,5 +191,5 @@ class Supervisor:
         if self.failure is not None:
             code = self.failure[1]
             return code if code > 0 else 128 - code
-        codes = [p.exitcode for p in self.procs]
+        codes = [c if c >= 0 else 128 - c for c in (p.exitcode for p in self.procs)]
         return codes[0] if all(c == codes[0] for c in codes) else next(c for c in codes if c != 0)
