@@ -116,11 +116,6 @@ def _fall_back(key: str, error: BaseException, what: str) -> None:
                   f"PyTorch reference from now on (correct, slower).", RuntimeWarning, stacklevel=3)
 
 
-def reset_fallbacks() -> None:
-    """Forget past failures so the next call tries Triton again (tests)."""
-    _fallen_back.clear()
-
-
 def _module(kind: str):
     if kind not in KINDS:
         raise KeyError(f"unknown kernel {kind!r}; known: {', '.join(KINDS)}")

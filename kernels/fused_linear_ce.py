@@ -231,27 +231,3 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, label
                                      lambda: _reference_chunked(*args, outputs, progress[0]))
     return _reference_chunked(*args, outputs)
 
-
-class FusedLinearCrossEntropyFunction(torch.autograd.Function):
-    """The loss as an autograd node, for callers that want a graph: the forward computes both gradients at
-    once (that is the point of fusing) and keeps them, [N, H] + [V, H] fp32, until backward scales them."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, ignore_index: int, chunk_tokens: int, scale: float):
-        loss, grad_hidden, grad_weight = fused_linear_cross_entropy(
-            hidden, weight, labels, ignore_index=ignore_index, chunk_tokens=chunk_tokens, scale=scale)
-        ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        return (grad_hidden * grad_loss, (grad_weight * grad_loss).to(ctx.weight_dtype),
-                None, None, None, None)
-
-
-def linear_cross_entropy_loss(hidden, weight, labels, *, ignore_index: int = -100, chunk_tokens: int = 4096,
-                              scale: float = 1.0) -> torch.Tensor:
-    """The same loss with an autograd graph (see FusedLinearCrossEntropyFunction)."""
-    return FusedLinearCrossEntropyFunction.apply(hidden, weight, labels, ignore_index, chunk_tokens, scale)

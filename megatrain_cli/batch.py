@@ -1,4 +1,4 @@
-"""What one step takes and gives: micro-batches in, a StepResult out, and the packed-row mask.
+"""What one step takes and gives: micro-batches in, a StepResult out.
 
 Kept apart from step.py so that data code, benches and tests can build batches without importing
 the engine (and its CUDA, kernel and distributed dependencies).
@@ -36,14 +36,3 @@ class StepResult:
     d2h_bytes: int = 0
     h2d_count: dict = field(default_factory=dict)
     speculation: dict = field(default_factory=dict)  # tiles updated before the verdict / corrected
-
-
-def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Bool [B,1,T,T] mask (True = attend) for packed rows; None when every row is one document."""
-    starts = position_ids == 0
-    if int(starts[:, 1:].sum()) == 0:
-        return None
-    doc = starts.long().cumsum(-1)
-    t = position_ids.shape[-1]
-    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
-    return ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from contextlib import contextmanager
@@ -144,91 +143,16 @@ def bench(ctx: typer.Context,
           debug: bool = _debug_option()) -> None:
     """Time full training steps of RECIPE's model (default: recipes/bench.yaml, the 7B preset at 8 x 4096) on
     synthetic tokens, then key=value overrides as for `train`, e.g. `engine.checkpoint_interval=2`."""
-    import torch
-
-    from megatrain_cli.bench.settings import BASELINES, BenchRun, bench_problems, bench_recipe, shorthands
+    from megatrain_cli.bench.command import bench as run_bench_command
+    from megatrain_cli.bench.settings import BenchRun
 
     with _answered(debug):
-        try:
-            short = shorthands(model=model, seq=seq, batch=batch, grad_accum=grad_accum, device=device)
-        except ValueError as err:
-            _fail(f"--seq: {err}")
-        r = bench_recipe(ctx.args, shorthand=short)
-        run = BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None, predict=True)
-        # Every option and path before the plan: nothing is measured that would then be refused or lost.
-        problems = bench_problems(r, run, baseline=baseline, gpus=gpus, output=str(output) if output else None,
-                                  cuda=torch.cuda.is_available())
-        if problems:
-            _fail("\n  ".join(problems) if len(problems) == 1 else "bench:\n  " + "\n  ".join(problems))
-        if gpus is not None or "WORLD_SIZE" in os.environ:
-            _bench_ranks(r, run, gpus, as_json=as_json, output=output)
-        _bench_one(r, run, BASELINES[baseline], as_json=as_json, output=output)
-
-
-def _bench_one(r, run, baselines: list, *, as_json: bool, output: Optional[Path]) -> None:
-    """One process: plan (refused before allocating when it does not fit), the baselines, ours, the table."""
-    from megatrain_cli.bench.result import format_table, to_json
-    from megatrain_cli.bench.runner import DoesNotFit, plan_bench, run_bench
-
-    def err(message: str) -> None:
-        typer.echo(message, err=True)
-
-    planned = plan_bench(r, run.layers, log=err)
-    if planned.long_context and baselines:
-        _fail(f"--baseline: the short-context path only (train.seq_len {r.train.seq_len} takes the long-context one)")
-    results = []
-    if "deepspeed" in baselines:
-        # First, in a watched child process: DeepSpeed gets the host memory to itself (ours is not
-        # allocated yet) and returns all of it when it exits (or is killed for memory).
-        from megatrain_cli.bench.deepspeed import bench_deepspeed
-
-        t = r.train
-        results.append(bench_deepspeed(r.model.preset, t.micro_batch_size * t.grad_accum, t.seq_len, run.steps,
-                                       warmup=run.warmup_steps(False), log=err, timeout_s=540))
-    try:
-        ours = run_bench(r, run, log=err, dashboard="off" if as_json else r.logging.dashboard, planned=planned)
-    except DoesNotFit as e:
-        _fail(f"{e}\n(the plan above has each term; engine.max_gpu_mem sets the device budget)", 3)
-    results.insert(0, ours)
-    if "native" in baselines:
-        from megatrain_cli.bench.short import bench_native
-
-        results.insert(1, bench_native(planned, run, log=err))
-    if planned.long_context:
-        from megatrain_cli.bench.long_context import format_extrapolation
-
-        extrapolated = f"\n{format_extrapolation(ours.extrapolated)}" if ours.extrapolated else ""
-        typer.echo(to_json(results) if as_json else f"{format_table(results)}\nnotes: {ours.notes}{extrapolated}")
-    else:
-        lean_notes = [f"notes ({x.name}): {x.notes}" for x in results if x.notes.startswith("memory-lean path")]
-        typer.echo(to_json(results) if as_json else "\n".join([format_table(results), *lean_notes]))
-    if output:
-        output.write_text(to_json(results))
-    if ours.tokens_per_s <= 0:  # the long-context row of a plan that does not fit, or of a failed run
-        _fail("the bench would not fit:\n  " + "\n  ".join(planned.problems) if planned.problems
-              else f"no timed step finished: {ours.notes}", 3)
-
-
-def _bench_ranks(r, run, gpus: Optional[int], *, as_json: bool, output: Optional[Path]) -> None:
-    """`bench --gpus N` (or under torchrun): megatrain_cli/bench/ranks.py; rank 0 prints and writes."""
-    from megatrain_cli.bench.result import format_table, from_dict
-    from megatrain_cli.bench.runner import DoesNotFit
-    from megatrain_cli.bench.ranks import bench_ranks
-
-    try:
-        report = bench_ranks(r, run, gpus, log=lambda m: typer.echo(m, err=True))
-    except (DoesNotFit, ValueError) as err:
-        _fail(str(err), 3)
-    if report is not None:  # rank 0, or the process that spawned the ranks
-        text = json.dumps(report, indent=2)
-        if as_json:
-            typer.echo(text)
-        else:
-            result = from_dict(report)
-            typer.echo(f"{format_table([result])}\nnotes: {result.notes}")
-        if output:
-            output.write_text(text)
-    raise typer.Exit(0)
+        code = run_bench_command(
+            list(ctx.args), BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None,
+                                     predict=True),
+            shorthand=dict(model=model, seq=seq, batch=batch, grad_accum=grad_accum, device=device),
+            baseline=baseline, gpus=gpus, as_json=as_json, output=output)
+    raise typer.Exit(code)
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True}, epilog=RECIPE_KEYS)

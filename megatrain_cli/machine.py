@@ -68,11 +68,6 @@ def meminfo_bytes(key: str, meminfo: Path | None = None) -> int:
     return 0
 
 
-def host_memory_bytes() -> int:
-    """Physical memory of the machine (MemTotal)."""
-    return meminfo_bytes("MemTotal")
-
-
 def _read_int(path: Path) -> int | None:
     """A cgroup file holding one number; None when it is absent, unreadable or 'max' (no limit)."""
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 import textwrap
@@ -74,8 +75,11 @@ def test_bench_deepspeed_killed_for_memory_is_a_row():
     assert any("no result: killed" in line for line in logged)
 
 
-def test_bench_deepspeed_not_installed(monkeypatch):
-    monkeypatch.setenv(dsr.FAKE_NO_DEEPSPEED_ENV, "1")
+def test_bench_deepspeed_not_installed(monkeypatch, tmp_path):
+    # deepspeed hidden from the child, installed or not: a sitecustomize on its path blocks the import
+    # (a None in sys.modules: find_spec answers None, import raises ImportError).
+    (tmp_path / "sitecustomize.py").write_text('import sys\nsys.modules["deepspeed"] = None\n')
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])]))
     r = dsb.bench_deepspeed("tiny", 2, 64, 1, log=lambda _: None, timeout_s=60)
     assert r.tokens_per_s == 0 and r.notes.startswith("deepspeed is not installed")
 

@@ -7,8 +7,12 @@ engine does on the same global batch (the same loop with --gpus 1 and twice the 
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,3 +68,36 @@ def test_bench_gpus_refuses_the_options_it_does_not_take():
     p = megatrain("bench", "--gpus", "2", *TINY, "--baseline", "native")
     assert p.returncode == 2
     assert "--gpus: not with --baseline" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("fault", ["SIGINT-to-the-launcher", "SIGKILL-to-a-rank"])
+def test_the_bench_launcher_and_its_ranks_end_as_one(tmp_path, fault):
+    """bench --gpus 2 runs under train/supervise.py's launcher: Ctrl-C ends every rank at once (exit 130, no
+    message: a bench has nothing to save), a killed rank is named and takes the other down; no process of
+    the run is left either way."""
+    from tests.test_launcher_faults import assert_all_gone, descendants
+
+    err = tmp_path / "stderr"
+    with open(err, "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "megatrain_cli", "bench", "--gpus", "2", "--model", "tiny",
+                                 "--device", "cpu", "--seq", "64", "--batch", "2", "--steps", "1000",
+                                 "engine.kernels=torch", "model.dtype=fp32"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=stderr)
+    deadline = time.monotonic() + 180
+    while "[bench] step 1" not in err.read_text():
+        assert proc.poll() is None, err.read_text()[-3000:]
+        assert time.monotonic() < deadline, "no step within 180 s"
+        time.sleep(0.1)
+    pids = descendants(proc.pid)
+    ranks = [p for p in pids if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(ranks) == 2, pids
+    if fault == "SIGINT-to-the-launcher":
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130, err.read_text()[-3000:]
+        assert "error" not in err.read_text().split("[bench] step 1")[-1]
+    else:
+        os.kill(ranks[1], signal.SIGKILL)
+        assert proc.wait(timeout=60) == 128 + signal.SIGKILL, err.read_text()[-3000:]
+        assert re.search(r"error: rank [01] was killed by SIGKILL; stopping rank [01]\n", err.read_text())
+    assert_all_gone(pids)
+    assert "Traceback" not in err.read_text()

@@ -290,7 +290,7 @@ def test_next_step_shapes_and_epochs_visit_every_row_once(tok, sample):
         assert sorted(seen) == sorted(rows.values())
         epochs.append(seen)
     assert epochs[0] != epochs[1]  # reshuffled per epoch
-    assert data.state_dict()["epoch"] == 2 and data.epoch_progress == 2.0
+    assert data.state_dict()["epoch"] == 2
     assert data.steps_per_epoch(4, 2) == -(-data.num_rows // 8)
 
 
@@ -322,15 +322,24 @@ def test_seed_changes_the_order(tok, sample):
     assert not all(torch.equal(x, y) for x, y in zip(order_a, order_b))  # ...visited in another order
 
 
+def tokenize_all(examples, tok, num_proc: int) -> tuple[list, list]:
+    """(ids, loss mask) of every example, in order."""
+    ids, masks = [], []
+    for i, m in tokenize_module.iter_tokenized(examples, tok, "auto", "all_assistant", num_proc):
+        ids += i
+        masks += m
+    return ids, masks
+
+
 def test_parallel_tokenisation_matches_in_process(tok, sample, monkeypatch):
     exs = sample[:64]
-    plain = tokenize_module.tokenize_examples(exs, tok, "auto", num_proc=1)
+    plain = tokenize_all(exs, tok, num_proc=1)
     monkeypatch.setattr(tokenize_module, "PARALLEL_MIN_EXAMPLES", 0)
     calls = []
     real = tokenize_module._map_with_datasets
     monkeypatch.setattr(tokenize_module, "_map_with_datasets",
                         lambda *a: calls.append(a[2]) or real(*a))
-    parallel = tokenize_module.tokenize_examples(exs, tok, "auto", num_proc=2)
+    parallel = tokenize_all(exs, tok, num_proc=2)
     assert calls == [2]  # the datasets.map path ran, with two processes
     assert parallel == plain
 

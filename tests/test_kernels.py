@@ -251,18 +251,6 @@ def test_fused_linear_cross_entropy_rejects_out_of_range_labels():
         fused_linear_ce.fused_linear_cross_entropy(hidden, weight, labels)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_cross_entropy_loss_autograd_wrapper(dtype):
-    hidden, weight, labels = ce_inputs(12, 16, 29, dtype, [5])
-    h, w = leaf(hidden), leaf(weight)
-    loss = fused_linear_ce.linear_cross_entropy_loss(h, w, labels, chunk_tokens=5)
-    (2 * loss).backward()
-    _, gh, gw = fused_linear_ce.fused_linear_cross_entropy_reference(hidden, weight, labels, chunk_tokens=12)
-    assert h.grad.dtype == dtype and w.grad.dtype == dtype
-    assert_close(h.grad, 2 * gh, dtype)
-    assert_close(w.grad, 2 * gw, dtype)
-
-
 # --- registry and fallback --------------------------------------------------------------------------------
 
 def test_load_returns_the_public_functions():

@@ -16,7 +16,7 @@ from megatrain_cli.engine.plan.lean_terms import ModelShape, layer_saved_bytes
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.engine.templates import WeightRedirect, run_bound
 from megatrain_cli.engine.lean_layers import (best_sdpa_backends, sdpa_backend_context, slim_norms, chunk_mlp,
-                                         chunked_mlp, untile_mlp)
+                                         chunked_mlp)
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.store.tiles import TileLayout
 from tests.reference import saved_bytes, tiny_config
@@ -109,10 +109,10 @@ def graph_nodes(y) -> set[str]:
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "LlamaForCausalLM", "Qwen3ForCausalLM"])
 @pytest.mark.parametrize("lean", [False, True])
-def test_tiled_layer_template_matches_plain(arch, lean):
+def test_chunked_layer_template_matches_plain(arch, lean):
     adapter, layout, flat = layer_setup(arch)
     plain, chunked = adapter.make_layer_template(0), adapter.make_layer_template(0)
-    chunk_mlp(chunked, 8)  # 2 x 37 tokens: 10 tiles, the last one short
+    chunk_mlp(chunked, 8)  # 2 x 37 tokens: 10 chunks, the last one short
     if lean:
         assert slim_norms(chunked) == (4 if arch == "Qwen3ForCausalLM" else 2)
     x = torch.randn(2, 37, adapter.hidden_size)
@@ -128,16 +128,12 @@ def test_tiled_layer_template_matches_plain(arch, lean):
     assert_close(y1, y0)
     for a, e in zip(g1, g0):
         assert_close(a, e)
-    with torch.no_grad():  # the engine's forward pass: no graph, the same tiles
+    with torch.no_grad():  # the engine's forward pass: no graph, the same chunks
         weights = {k: v for k, v in layout.views(flat).items()}
         assert_close(run_layer(chunked, weights, x, adapter), y0)
 
-    untile_mlp(chunked)
-    lean_layers.unslim_norms(chunked)
-    assert "forward" not in chunked.mlp.__dict__ and lean_layers.mlp_chunk_tokens(chunked) is None
 
-
-def test_tiled_layer_under_weight_redirect_reads_weights_where_they_are_now():
+def test_chunked_layer_under_weight_redirect_reads_weights_where_they_are_now():
     """The engine's saved-tensor hooks see the chunked MLP's saved weights: after the forward, the tile
     moves to another buffer and the old one is overwritten; backward must read the new one."""
     adapter, layout, flat = layer_setup("Qwen2ForCausalLM", seed=1)

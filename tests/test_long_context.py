@@ -31,10 +31,10 @@ def train(config, accum, **engine_kwargs):
     return store, engine, results
 
 
-def forced_plan(config, accum, *, lean, offloaded, tile=5, chunk=7):
-    """Small MLP tiles (32 tokens per micro-batch: 7 tiles, the last short), a loss chunk that does not
+def forced_plan(config, accum, *, lean, offloaded, mlp_chunk=5, chunk=7):
+    """Small MLP chunks (32 tokens per micro-batch: 7 chunks, the last short), a loss chunk that does not
     divide the tokens, and `offloaded` checkpoints in host memory, whatever the budget would choose."""
-    plan = plan_long_context(config, SEQ, batch=BATCH * accum, device_budget_bytes=GiB, mlp_chunk_tokens=tile,
+    plan = plan_long_context(config, SEQ, batch=BATCH * accum, device_budget_bytes=GiB, mlp_chunk_tokens=mlp_chunk,
                              chunk_mlp=True, loss_chunk_tokens=chunk, offload=False, lean_norms=lean)
     plan.offloaded_checkpoints = offloaded
     return plan
@@ -172,7 +172,7 @@ def test_bench_long_context_layers_extrapolates_to_the_whole_model(monkeypatch):
     plan_defaults(monkeypatch, mlp_chunk_tokens=64, headroom=0.2)
     store = build_store(bench_model_config(long_recipe(), 2), torch.float32, seed=0)
     whole = ModelAdapter(bench_model_config(long_recipe()))
-    # A device budget at which the whole model's plan tiles the MLP and a 2-layer model's own plan would not:
+    # A device budget at which the whole model's plan chunks the MLP and a 2-layer model's own plan would not:
     # the run must take the whole model's choice, so its layers run what they would in the whole model.
     options = dict(batch=1, host_budget_bytes=GiB, dtype=torch.float32, device_type="cpu")
     budget = next(b for b in range(2**25, 2**27, 2**12)

@@ -270,6 +270,6 @@ def test_export_reverts_one_tile_at_a_time(tmp_path, monkeypatch):
     monkeypatch.setattr(SavedLayout, "revert", spy)
     store = build_store(tiny_config("qwen3_moe", layers=3), torch.float32, seed=1)
     export_hf(store, tmp_path / "out", max_shard_bytes=20_000)
-    tiles = [sorted(store.adapter.hf_name(t, s.name) for s in layout.slots) for t, layout in store.layouts.items()]
+    tiles = [sorted(store.adapter.hf_name(t, s.name) for s in layout.places) for t, layout in store.layouts.items()]
     assert [names for names, meta in calls if meta] == tiles
     assert [names for names, meta in calls if not meta] == tiles

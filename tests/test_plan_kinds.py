@@ -39,7 +39,7 @@ from tests.test_parity import assert_same_params
 
 CUDA = torch.cuda.is_available()
 CPU_HIDDEN, CUDA_HIDDEN = 32, 64  # tests/test_parity.py's width on CPU, tests/test_cuda.py's on the GPU
-MLP_TILE, LOSS_CHUNK = 24, 7  # long context: 3 MLP tiles per micro-batch of 64 tokens (the last short)
+MLP_CHUNK, LOSS_CHUNK = 24, 7  # long context: 3 MLP chunks per micro-batch of 64 tokens (the last short)
 
 
 @dataclass(frozen=True)
@@ -115,10 +115,10 @@ def lean_plan(kind: Kind, hidden: int, dtype: torch.dtype) -> LeanPlan | None:
         def plan_at(budget, offload=None):
             return plan_long_context(config, tokens["seq_len"], batch=tokens["batch"],
                                      grad_accum=tokens["grad_accum"], device_budget_bytes=budget, dtype=dtype,
-                                     mlp_chunk_tokens=MLP_TILE, chunk_mlp=True, loss_chunk_tokens=LOSS_CHUNK,
+                                     mlp_chunk_tokens=MLP_CHUNK, chunk_mlp=True, loss_chunk_tokens=LOSS_CHUNK,
                                      offload=offload, lean_norms=True, device_type="cpu", **drop)
         plan = plan_at(GiB, offload=True) if kind.offload == "all" else _offloading_some(plan_at)
-        assert plan.label == "long-context" and plan.mlp_chunk_tokens == MLP_TILE and plan.lean_norms
+        assert plan.label == "long-context" and plan.mlp_chunk_tokens == MLP_CHUNK and plan.lean_norms
         assert plan.loss_chunk_tokens == LOSS_CHUNK
     assert plan.checkpoint_interval == 1 and plan.num_checkpoints == kind.layers
     dropped = tuple(getattr(plan, "dropped_checkpoints", ()))

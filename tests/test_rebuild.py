@@ -25,7 +25,7 @@ STEPS, SEQ, BATCH = 2, 16, 2
 
 
 def lean_plan(config, accum, *, lean=True, offloaded=0, dropped=(), interval=1):
-    """A lean plan forced to `offloaded` checkpoints in host memory and `dropped` ones rebuilt (MLP tiles of
+    """A lean plan forced to `offloaded` checkpoints in host memory and `dropped` ones rebuilt (MLP chunks of
     5 tokens, a 7-token loss chunk), whatever the budgets would choose."""
     plan = plan_long_context(config, SEQ, batch=BATCH * accum, device_budget_bytes=GiB, mlp_chunk_tokens=5,
                              chunk_mlp=True, loss_chunk_tokens=7, offload=False, lean_norms=lean)

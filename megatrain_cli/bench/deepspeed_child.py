@@ -33,12 +33,8 @@ import sys
 import time
 
 EXIT_OK = 0
-EXIT_FAILED = 1
 EXIT_NO_DEEPSPEED = 3
 EXIT_DEEPSPEED_BROKEN = 4
-
-# Set to 1 to behave as if deepspeed were not installed (for tests on machines that have it).
-FAKE_NO_DEEPSPEED_ENV = "MEGATRAIN_FAKE_NO_DEEPSPEED"
 
 # ---------------------------------------------------------------- the ZeRO-3 knobs, sized for 7B
 # Sizes are in parameter ELEMENTS, as DeepSpeed counts them. For the 7B preset (hidden 3584, MLP
@@ -167,7 +163,7 @@ def ensure_ninja_on_path() -> None:
 
 def check_deepspeed() -> int:
     """EXIT_OK when deepspeed imports; else the exit code to leave with, having said why."""
-    if os.environ.get(FAKE_NO_DEEPSPEED_ENV) == "1" or importlib.util.find_spec("deepspeed") is None:
+    if importlib.util.find_spec("deepspeed") is None:
         print("deepspeed is not installed", file=sys.stderr, flush=True)
         return EXIT_NO_DEEPSPEED
     try:

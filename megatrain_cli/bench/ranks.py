@@ -1,6 +1,7 @@
 """`megatrain bench --gpus N`: the data-parallel engine's throughput on N ranks of one host.
 
-    megatrain bench --gpus 2 --model 7b --seq 4096 --batch 8       spawns 2 ranks, one GPU each (NCCL)
+    megatrain bench --gpus 2 --model 7b --seq 4096 --batch 8       2 ranks, one GPU each (NCCL), started and
+                                                                    watched by train/supervise.py's launcher
     torchrun --nproc-per-node 2 -m megatrain_cli bench --gpus 2 ...  the same ranks under torchrun
     megatrain bench --gpus 1 --model 7b --seq 4096 --batch 8       the single-GPU engine, same loop and batches
     megatrain bench --gpus 2 --model tiny --device cpu ...          2 CPU processes on gloo (the tests)
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import tempfile
 from dataclasses import asdict
@@ -33,21 +35,32 @@ from megatrain_cli.bench.runner import DoesNotFit, build, plan_bench
 from megatrain_cli.bench.settings import BenchRun
 from megatrain_cli.engine.dist import init_distributed, leave_process_group, multicast_off, split_micro_batches
 from megatrain_cli.engine.plan.step_plan import device_budget
-from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
+from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes, usable_cpus
 from megatrain_cli.metrics.flops import streamed_step_flops
 from megatrain_cli.recipe import Recipe
 from megatrain_cli.train.rank import RankSpec, under_torchrun
 from megatrain_cli.train.setup import resolve_device
+from megatrain_cli.train.stop import SIGNALS, unblock
+from megatrain_cli.train.supervise import peer_gone, spawn_ranks
 
 GiB = 2**30
 # Device memory each rank keeps out of the plan's budget for the two NCCL communicators' buffers.
 NCCL_DEVICE_RESERVE = 2 * GiB
 
 
+class RanksFailed(RuntimeError):
+    """A spawned rank failed; the ranks and the launcher have said why. `code`: the launcher's exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(f"the ranks ended with exit code {code}")
+        self.code = code
+
+
 def bench_ranks(r: Recipe, run: BenchRun = BenchRun(), gpus: int | None = None, log=print) -> dict | None:
     """The launcher. Under torchrun this process is one rank; otherwise gpus = 1 runs the single-GPU engine
-    here and gpus > 1 spawns that many ranks. Returns the report where rank 0's lands (this process when it
-    is rank 0 or the launcher), None on the other ranks."""
+    here and gpus > 1 starts that many ranks under train/supervise.py's launcher (signals forwarded, no rank
+    outlives it, a failed rank takes the others down: RanksFailed). Returns the report where rank 0's lands
+    (this process when it is rank 0 or the launcher), None on the other ranks."""
     multicast_off()
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
@@ -59,17 +72,34 @@ def bench_ranks(r: Recipe, run: BenchRun = BenchRun(), gpus: int | None = None, 
         return run_rank(r, run, None, log)
     if resolve_device(r.engine.device).type == "cuda" and world > torch.cuda.device_count():
         raise ValueError(f"--gpus {world}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory(prefix="megatrain-bench-dist-") as tmp:
-        mp.spawn(_spawned, args=(world, r, run, f"file://{Path(tmp) / 'rendezvous'}", str(Path(tmp) / "report.json")),
-                 nprocs=world, join=True)
-        return json.loads((Path(tmp) / "report.json").read_text())
+        report_path = Path(tmp) / "report.json"
+        code = spawn_ranks(_spawned, (r, run, str(report_path)), world)
+        if code != 0:
+            raise RanksFailed(code)
+        return json.loads(report_path.read_text())
 
 
-def _spawned(rank: int, world: int, r: Recipe, run: BenchRun, init_method: str, report_path: str) -> None:
-    os.environ["LOCAL_RANK"] = str(rank)  # launch mechanics: which GPU this rank takes
-    report = run_rank(r, run, RankSpec(rank, world, init_method), _log_stderr)
+def _spawned(rank: int, world: int, init_method: str, r: Recipe, run: BenchRun, report_path: str) -> None:
+    """One spawned rank. A stop signal (forwarded by the launcher) ends it at once: a bench has nothing to
+    save. A refusal is said once (every rank has rank 0's verdict), exit 3 as in one process."""
+    for s in SIGNALS:  # the default actions (set: a launcher started with SIGINT ignored passes that on)
+        signal.signal(s, signal.SIG_DFL)
+    unblock()  # blocked by the launcher while the ranks started
+    try:
+        report = run_rank(r, run, RankSpec(rank, world, init_method), _log_stderr)
+    except DoesNotFit as err:
+        if rank == 0:
+            _log_stderr(f"error: {err}")
+        sys.exit(3)
+    except ValueError as err:
+        _log_stderr(f"error: rank {rank}: {err}")
+        sys.exit(3)
+    except Exception as err:
+        if not peer_gone(err):
+            raise
+        _log_stderr(f"rank {rank}: stopped, a collective failed ({str(err).splitlines()[0][:200]})")
+        sys.exit(1)
     if report is not None:
         Path(report_path).write_text(json.dumps(report))
 
@@ -85,8 +115,7 @@ def run_rank(r: Recipe, run: BenchRun, spec: RankSpec | None, log=print) -> dict
     import torch.distributed as dist
 
     world = spec.world if spec.world is not None else int(os.environ["WORLD_SIZE"])
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    torch.set_num_threads(max(1, cpus // world))  # the ranks share the host (torchrun would give each 1)
+    torch.set_num_threads(max(1, usable_cpus() // world))  # the ranks share the host (torchrun would give each 1)
     ctx = init_distributed(resolve_device(r.engine.device).type, init_method=spec.init_method, rank=spec.rank,
                            world_size=spec.world)
     try:

@@ -60,10 +60,10 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
         results, stall, wall = timed.results, timed.stall_s, timed.wall_s
         step_time = wall / steps
         tokens = batch * seq * accum
-        # The chunked MLP's extra gate/up FLOPs are per micro-batch of batch x seq tokens, as it tiles them.
-        tile = lean.mlp_chunk_tokens if lean is not None and batch * seq > (lean.mlp_chunk_tokens or 0) else None
+        # The chunked MLP's extra gate/up FLOPs are per micro-batch of batch x seq tokens, as it chunks them.
+        chunk = lean.mlp_chunk_tokens if lean is not None and batch * seq > (lean.mlp_chunk_tokens or 0) else None
         flops, executed = streamed_step_flops(store, rows=batch * accum, seq=seq,
-                                              recomputed_layers=engine.recomputed_layers(), mlp_chunk_tokens=tile)
+                                              recomputed_layers=engine.recomputed_layers(), mlp_chunk_tokens=chunk)
         # On the memory-lean path the checkpoints' trips to host memory and back cross PCIe too.
         ckpt_d2h, ckpt_h2d = timed.offload_d2h_bytes, timed.offload_h2d_bytes
         split = {k: round(sum(x.times.get(k, 0.0) for x in results) / steps, 3)

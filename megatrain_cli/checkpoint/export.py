@@ -71,8 +71,8 @@ def _planned_tensors(store: HostStore, layout: SavedLayout) -> list[_Out]:
     conversion run on meta tensors (names and shapes only)."""
     out: list[_Out] = []
     for tname, tile_layout in store.layouts.items():
-        meta = {store.adapter.hf_name(tname, slot.name): torch.empty(slot.shape, device="meta")
-                for slot in tile_layout.slots}
+        meta = {store.adapter.hf_name(tname, place.name): torch.empty(place.shape, device="meta")
+                for place in tile_layout.places}
         out += [_Out(name, tname, tuple(t.shape)) for name, t in layout.revert(meta).items()]
     twice = sorted(n for n, k in Counter(o.name for o in out).items() if k > 1)
     if twice:
@@ -91,7 +91,8 @@ class _TileTensors:
         if item.tile != self.tile:
             self.tensors = {}  # free the previous tile's pieces before making the next
             store, tile = self.store, item.tile
-            views = {store.adapter.hf_name(tile, s.name): store.master_view(tile, s) for s in store.layouts[tile].slots}
+            views = {store.adapter.hf_name(tile, p.name): store.master_view(tile, p)
+                     for p in store.layouts[tile].places}
             self.tensors, self.tile = self.layout.revert(views), item.tile
         tensor = self.tensors.pop(item.name)  # dropped once written
         if tuple(tensor.shape) != item.shape:

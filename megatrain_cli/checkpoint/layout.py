@@ -103,11 +103,11 @@ def _tile_entries(tile: Tile, master_dtype: torch.dtype | None = None
     entries, start = [], 0
     for section, dtype in section_dtypes(tile, master_dtype):
         w, tag = dtype.itemsize, _TAGS[dtype]
-        if not tile.layout.slots:  # one rank's shard of a tile (store/sharded.py): one flat tensor per section
+        if not tile.layout.places:  # one rank's shard of a tile (store/sharded.py): one flat tensor per section
             entries.append((f"{section}/shard", tag, (tile.numel,), start, start + tile.numel * w))
         else:
-            entries += [(f"{section}/{slot.name}", tag, slot.shape, start + slot.offset * w,
-                         start + (slot.offset + slot.numel) * w) for slot in tile.layout.slots]
+            entries += [(f"{section}/{place.name}", tag, place.shape, start + place.offset * w,
+                         start + (place.offset + place.numel) * w) for place in tile.layout.places]
         start += tile.numel * w
     return entries
 

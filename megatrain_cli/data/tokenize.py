@@ -78,17 +78,6 @@ def iter_tokenized(examples: list[Example], tokenizer, template: str, train_on: 
         yield out["ids"], out["mask"]
 
 
-def tokenize_examples(examples: list[Example], tokenizer, template: str, train_on: str = "all_assistant",
-                      num_proc: int = 1) -> Batch:
-    """(ids, loss mask) of every example, in order (for small data and tests)."""
-    ids: list[list[int]] = []
-    masks: list[list[int]] = []
-    for i, m in iter_tokenized(examples, tokenizer, template, train_on, num_proc):
-        ids += i
-        masks += m
-    return ids, masks
-
-
 def _map_with_datasets(columns: dict, args: dict, num_proc: int):
     try:
         from datasets import Dataset

@@ -61,11 +61,6 @@ class TrainData:
         """Steps that cover every row once; the last one tops up from the next epoch's order."""
         return math.ceil(self.num_rows / (micro_batch_size * grad_accum))
 
-    @property
-    def epoch_progress(self) -> float:
-        """Epochs done, fractional: for logs and the dashboard."""
-        return self.epoch + self.cursor / self.num_rows
-
     def stats(self) -> dict:
         return {"examples": self.num_examples, "rows": self.num_rows, "seq_len": self.seq_len,
                 "packing": self.packing, "real_tokens": self.real_tokens, "loss_tokens": self.loss_tokens,

@@ -1,37 +1,9 @@
 """Put the Triton kernels (megatrain_cli.kernels) into the engine's HF layer templates (issue #8).
 
-Same pattern as lean_layers.py: a template is a meta-device HF module, and a kernel goes in by replacing one
-submodule's `forward` (an instance attribute, so only that template changes) with a function that reads
-the weights from the module *at call time*: `functional_call` has bound the streamed device views into
-those attributes by then, so the bound views reach the kernels' autograd Functions, and their
-`save_for_backward` goes through the engine's `WeightRedirect` hooks like any other saved weight.
-
-What is swapped (`install_kernels(template, kinds)`):
-
-  rms_norm  every plain RMSNorm (input/post-attention norms, Qwen3's q_norm/k_norm on head_dim, and the
-            final-norm template itself) -> kernels.rms_norm(x, self.weight, self.variance_epsilon).
-  swiglu    the MLP's act(gate(x)) * up(x) -> kernels.swiglu(gate(x), up(x)), only when the activation is
-            SiLU (config.hidden_act 'silu'/'swish'); the projections stay HF's nn.Linear.
-  rope      the attention's apply_rotary_pos_emb(q, k, cos, sin) -> kernels.apply_rope. HF's attention
-            forward calls the function of its modeling module by its global name; rather than copy that
-            forward, the module's global is replaced (once, process-wide) by a dispatcher that calls the
-            original unless a context variable says "this call comes from a kernel-patched template", and
-            the template's attention forward becomes: set that variable, run HF's own forward, reset it.
-            Any other model of the same architecture in the process (the eval path, a reference model in
-            a test) gets HF's function exactly as before. Installed only where the forward really calls
-            the global by that name (checked on its code object), otherwise left out.
-
-The fused LM head + cross-entropy is not a module swap: Engine._head calls it (step.py).
-
-Precedence with the long-context pieces of lean_layers.py (the engine installs those first, then these):
-  - chunk_mlp wins over swiglu: a chunked MLP (long context) is left alone, its per-tile activation stays
-    eager. The chunked MLP's saving is memory ([T, intermediate] never exists), which matters more there
-    than the elementwise time; putting swiglu inside ChunkedMLP's tiles would need a change to lean_layers.py.
-  - rms_norm replaces slim_norms' LeanRMSNorm: the kernel's autograd Function saves exactly what the lean
-    norm saves (x, the weight by reference, one fp32 1/rms per row), with no fp32 temporaries at all in
-    forward (the lean norm's are one 16K-row chunk) and one [programs, H] fp32 partial in backward. Where
-    the kernel cannot run (Triton missing, or it failed and the registry fell back), a norm that was lean
-    stays lean (LeanRMSNorm), never HF's 8-bytes-per-element autograd graph.
+`install_kernels(template, kinds)` swaps rms_norm, swiglu and rope into one template by replacing a
+submodule's `forward` (that template only) with one that reads the weights at call time, so the saved-tensor
+redirect still applies; rope goes through a process-wide dispatcher that only patched templates reach. What
+is swapped when, and the precedence over lean_layers.py: docs/architecture.md, "Kernels".
 """
 
 from __future__ import annotations

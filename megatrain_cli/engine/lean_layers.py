@@ -113,11 +113,11 @@ def chunked_mlp(x: torch.Tensor, gate_w, up_w, down_w, act: Callable, chunk_toke
 
 def _chunked_mlp_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # Read the weights now, not at install time: functional_call has bound the streamed views.
-    if x.numel() // x.shape[-1] <= self.megatrain_tile_tokens:
+    if x.numel() // x.shape[-1] <= self.megatrain_chunk_tokens:
         # One chunk would be the whole sequence: the plain forward is the same memory, minus the recompute.
         return type(self).forward(self, x)
     return chunked_mlp(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight, self.act_fn,
-                     self.megatrain_tile_tokens, self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
+                     self.megatrain_chunk_tokens, self.gate_proj.bias, self.up_proj.bias, self.down_proj.bias)
 
 
 def chunk_mlp(layer: nn.Module, chunk_tokens: int) -> nn.Module:
@@ -132,22 +132,14 @@ def chunk_mlp(layer: nn.Module, chunk_tokens: int) -> nn.Module:
             raise TypeError(f"{type(mlp).__name__} has no {part}: not a gated (SwiGLU) MLP, cannot chunk it")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    mlp.megatrain_tile_tokens = int(chunk_tokens)
+    mlp.megatrain_chunk_tokens = int(chunk_tokens)
     mlp.forward = types.MethodType(_chunked_mlp_forward, mlp)
-    return layer
-
-
-def untile_mlp(layer: nn.Module) -> nn.Module:
-    mlp = layer.mlp
-    if "forward" in mlp.__dict__:
-        del mlp.forward
-        del mlp.megatrain_tile_tokens
     return layer
 
 
 def mlp_chunk_tokens(layer: nn.Module) -> int | None:
     """The chunk size installed on `layer.mlp`, or None when it runs unchunked."""
-    return getattr(layer.mlp, "megatrain_tile_tokens", None)
+    return getattr(layer.mlp, "megatrain_chunk_tokens", None)
 
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
@@ -234,12 +226,6 @@ def slim_norms(layer: nn.Module) -> int:
             module.forward = types.MethodType(_lean_norm_forward, module)
             count += 1
     return count
-
-
-def unslim_norms(layer: nn.Module) -> None:
-    for module in layer.modules():
-        if is_plain_rmsnorm(module) and "forward" in module.__dict__:
-            del module.forward
 
 
 # ---------------------------------------------------------------------------------------------- SDPA

@@ -57,7 +57,7 @@ def matmul_params(store) -> float:
     routed experts counted at top_k / num_experts (active parameters; = all of them for a dense model)."""
     spec = moe_spec(store.adapter.config)
     embed = store.layouts["embed"].numel
-    total = sum(_active(s.name, s.shape, s.numel, spec) for layout in store.layouts.values() for s in layout.slots)
+    total = sum(_active(s.name, s.shape, s.numel, spec) for layout in store.layouts.values() for s in layout.places)
     return total - (0 if store.adapter.tied else embed)
 
 
@@ -86,10 +86,10 @@ def streamed_step_flops(store, *, rows: int, seq: int, recomputed_layers: int,
     flops = model_flops(matmul_params(store), tokens, rows, seq, a.hidden_size, a.num_layers)
     spec = moe_spec(cfg)
     layer_params = sum(_active(s.name, s.shape, s.numel, spec)
-                       for n in store.layer_names for s in store.layouts[n].slots) / a.num_layers
+                       for n in store.layer_names for s in store.layouts[n].places) / a.num_layers
     extra = (2.0 * layer_params * tokens + 2.0 * rows * seq * seq * a.hidden_size) * recomputed_layers
     if mlp_chunk_tokens and tokens > mlp_chunk_tokens:  # only dense MLPs are chunked (routed experts run whole)
-        dense = sum(not any(is_expert_param(s.name, s.shape, spec) for s in store.layouts[n].slots)
+        dense = sum(not any(is_expert_param(s.name, s.shape, spec) for s in store.layouts[n].places)
                     for n in store.layer_names)
         extra += 4.0 * a.hidden_size * int(cfg.intermediate_size) * tokens * dense
     return flops, flops + extra

@@ -109,12 +109,6 @@ def is_expert_param(name: str, shape: tuple[int, ...], spec: MoeSpec | None) -> 
     return (spec is not None and ".experts." in f".{name}" and len(shape) >= 2 and shape[0] == spec.num_experts)
 
 
-def active_numel(specs, spec: MoeSpec | None) -> float:
-    """Parameters one token computes with, of a piece's ParamSpecs: routed experts count top_k / num_experts."""
-    return sum(s.numel * (spec.top_k / spec.num_experts if is_expert_param(s.name, s.shape, spec) else 1.0)
-               for s in specs)
-
-
 def grouped_experts(template: Any) -> int:
     """Make every experts module of a layer template run transformers' grouped-mm experts code (one
     grouped matrix multiply per projection for all experts; not the eager loop over experts), which is

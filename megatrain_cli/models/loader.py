@@ -2,7 +2,7 @@
 
 Loading never holds a second full copy of the model: each tensor (or each group of tensors that
 transformers' conversion rules merge into one parameter, models/convert.py) is read from its shard with
-`safe_open`, cast into its fp32 master slot, and dropped before the next one is read.
+`safe_open`, cast into its place among the fp32 masters, and dropped before the next one is read.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def load_weights(store: HostStore, path: str | Path) -> None:
-    """Copy the checkpoint into the master slots, through transformers' own conversion rules
+    """Copy the checkpoint into the masters' places, through transformers' own conversion rules
     (models/convert.py: renamed and legacy keys, a base model's prefix, merged or split tensors), one
     tensor group at a time. Unknown and missing tensors are refused, by name, before any is read; a wrong
     shape before it is copied.
@@ -63,7 +63,7 @@ def load_weights(store: HostStore, path: str | Path) -> None:
     from megatrain_cli.models.convert import LAYOUT_KEY, CheckpointRules, ConversionError
 
     path = Path(path)
-    targets = {hf: (tname, slot) for hf, tname, slot in store.hf_items()}
+    targets = {hf: (tname, place) for hf, tname, place in store.hf_items()}
     rules = CheckpointRules(store.adapter.config)
     with ExitStack() as stack:
         where: dict[str, tuple[str, object]] = {}
@@ -74,7 +74,7 @@ def load_weights(store: HostStore, path: str | Path) -> None:
             plan = rules.plan(where)
         except ConversionError as err:
             raise ModelLoadError(f"checkpoint in {path}: {err}") from None
-        # Refuse before reading a byte: names no slot takes (a tied copy excepted: HF re-ties it), slots
+        # Refuse before reading a byte: names no place takes (a tied copy excepted: HF re-ties it), places
         # nothing fills.
         made = plan.produces()
         unexpected = plan.unexpected + sorted(made - set(targets) - rules.aliases)
@@ -93,12 +93,12 @@ def load_weights(store: HostStore, path: str | Path) -> None:
                     if name not in rules.aliases:  # a tied copy is dropped: HF re-ties it
                         unexpected.append(f"{name} (made from {group.describe()})")
                     continue
-                tname, slot = targets[name]
-                if tuple(tensor.shape) != slot.shape:
+                tname, place = targets[name]
+                if tuple(tensor.shape) != place.shape:
                     source = where[group.sources[0][0]][0]
                     raise ModelLoadError(f"{source}: {group.describe()} has shape {tuple(tensor.shape)}, "
-                                         f"the config implies {slot.shape}")
-                store.write_master(tname, slot, tensor)
+                                         f"the config implies {place.shape}")
+                store.write_master(tname, place, tensor)
                 seen.add(name)
             del tensors
     missing = sorted(set(targets) - seen)
@@ -125,15 +125,15 @@ def _mismatch(path: Path, store, missing: list[str], unexpected: list[str]) -> M
 
 def random_init_tile(tile, std: float, seed: int, index: int, norm_value: float = 1.0) -> None:
     """One whole tile's masters as random_init draws them (tile `index` in store order). bf16 masters get
-    the fp32 draw rounded (the same start as fp32 masters, and as a sharded store's), through one slot's
+    the fp32 draw rounded (the same start as fp32 masters, and as a sharded store's), through one place's
     fp32 copy at a time."""
     gen = torch.Generator().manual_seed(seed * 100_003 + index)
-    for slot in tile.layout.slots:
-        target = tile.master[slot.offset:slot.offset + slot.numel]
-        view = target if target.dtype == torch.float32 else torch.empty(slot.numel)
-        if len(slot.shape) >= 2:
+    for place in tile.layout.places:
+        target = tile.master[place.offset:place.offset + place.numel]
+        view = target if target.dtype == torch.float32 else torch.empty(place.numel)
+        if len(place.shape) >= 2:
             view.normal_(0.0, std, generator=gen)
-        elif "norm" in slot.name:
+        elif "norm" in place.name:
             view.fill_(norm_value)  # 1, or 0 for Gemma's (1 + weight) norms: what HF's own init gives
         else:
             view.zero_()

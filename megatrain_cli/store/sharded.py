@@ -12,7 +12,7 @@ contiguous shards; rank r owns [r * shard, (r + 1) * shard). A rank's tile is an
 
 The weight-decayed part of a tile is its leading range [0, decay_numel) (tiles.TileLayout), so its
 intersection with any contiguous shard is again a leading range of that shard: a shard's
-`TileLayout` has no named slots, numel = shard and decay_numel = clamp(decay_numel - start, 0,
+`TileLayout` has no named places, numel = shard and decay_numel = clamp(decay_numel - start, 0,
 shard). HostAdamW._sections reads only `layout.decay_numel` and `tile.numel`, so it updates a shard
 exactly as it updates the matching elements of the whole tile (AdamW is elementwise). The padding
 lies past numel >= decay_numel, i.e. in the no-decay part, and stays zero: its gradient is zero, so
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_cli.store.tiles import (HostStore, LayoutQueries, Slot, Tile, TileLayout, allocate_tile,
+from megatrain_cli.store.tiles import (HostStore, LayoutQueries, ParamPlace, Tile, TileLayout, allocate_tile,
                                       store_master_dtype, tile_bytes)
 
 SHARD_ALIGN = 64  # elements
@@ -102,8 +102,8 @@ class ShardedHostStore(LayoutQueries):
 
     @classmethod
     def from_full(cls, store: HostStore, rank: int, world: int, *, cpu_group=None) -> "ShardedHostStore":
-        """This rank's shards of a whole store (all four sections and the step counts): tests, and
-        the start of a run whose weights were loaded whole."""
+        """This rank's shards of a whole store (all four sections and the step counts): the tests' shards of
+        a one-process reference (a run builds its shard directly: models/loader.build_sharded_store)."""
         out = cls(store.adapter, store.compute_dtype, rank, world, cpu_group=cpu_group,
                   master_dtype=store.master_dtype)
         for name, tile in out.tiles.items():
@@ -127,18 +127,18 @@ class ShardedHostStore(LayoutQueries):
     def largest_padded_layer_numel(self) -> int:
         return max(self.padded_numel(n) for n in self.layer_names)
 
-    def master_view(self, tile: str, slot: Slot):
+    def master_view(self, tile: str, place: ParamPlace):
         raise RuntimeError("a sharded store holds no whole tensor: gather with hf_state_dict() / gather_tile(), "
                            "write with write_master()")
 
     # ------------------------------------------------------------ local writes
-    def write_master(self, tile: str, slot: Slot, tensor: torch.Tensor) -> None:
+    def write_master(self, tile: str, place: ParamPlace, tensor: torch.Tensor) -> None:
         """Copy the part of one whole HF tensor that falls in this rank's shard (loading)."""
         spec = self.shards[tile]
-        lo, hi = max(slot.offset, spec.start), min(slot.offset + slot.numel, spec.stop)
+        lo, hi = max(place.offset, spec.start), min(place.offset + place.numel, spec.stop)
         if hi > lo:
             flat = tensor.reshape(-1)
-            self.tiles[tile].master[lo - spec.start:hi - spec.start].copy_(flat[lo - slot.offset:hi - slot.offset])
+            self.tiles[tile].master[lo - spec.start:hi - spec.start].copy_(flat[lo - place.offset:hi - place.offset])
 
     # ------------------------------------------------------------ collectives (every rank calls them)
     def gather_tile(self, tile: str, section: str = "master") -> torch.Tensor:
@@ -159,6 +159,7 @@ class ShardedHostStore(LayoutQueries):
             full = self.gather_tile(tname)
             if dtype is not None:
                 full = full.to(dtype)
-            for slot in layout.slots:
-                out[self.adapter.hf_name(tname, slot.name)] = full[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            for place in layout.places:
+                out[self.adapter.hf_name(tname, place.name)] = full[place.offset:place.offset + place.numel].view(
+                    place.shape)
         return out

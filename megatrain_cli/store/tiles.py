@@ -66,7 +66,9 @@ def _round_up(n: int, to: int) -> int:
 
 
 @dataclass
-class Slot:
+class ParamPlace:
+    """Where one parameter lies inside its tile: the same offset in every section."""
+
     name: str
     shape: tuple[int, ...]
     offset: int  # elements from the start of each section
@@ -77,23 +79,23 @@ class Slot:
 class TileLayout:
     """Where each tensor of a piece lies inside its tile (same offsets in every section)."""
 
-    slots: list[Slot]
+    places: list[ParamPlace]
     numel: int  # parameters in the tile
     decay_numel: int  # the leading range that gets weight decay
 
     @classmethod
     def from_specs(cls, specs: list[ParamSpec]) -> "TileLayout":
         ordered = [s for s in specs if s.decays] + [s for s in specs if not s.decays]
-        slots, offset = [], 0
+        places, offset = [], 0
         for spec in ordered:
-            slots.append(Slot(spec.name, spec.shape, offset, spec.numel))
+            places.append(ParamPlace(spec.name, spec.shape, offset, spec.numel))
             offset += spec.numel
         decay = sum(s.numel for s in ordered if s.decays)
-        return cls(slots, offset, decay)
+        return cls(places, offset, decay)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Named, shaped views of one flat section (no copies)."""
-        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.slots}
+        return {s.name: flat[s.offset:s.offset + s.numel].view(s.shape) for s in self.places}
 
 
 @dataclass
@@ -187,10 +189,10 @@ class LayoutQueries:
             t.step = 0
 
     def hf_items(self):
-        """(hf_name, tile, slot) for every tensor, in store order; tied lm_head is not listed."""
+        """(hf_name, tile, place) for every tensor, in store order; tied lm_head is not listed."""
         for tname, layout in self.layouts.items():
-            for slot in layout.slots:
-                yield self.adapter.hf_name(tname, slot.name), tname, slot
+            for place in layout.places:
+                yield self.adapter.hf_name(tname, place.name), tname, place
 
 
 class HostStore(LayoutQueries):
@@ -214,18 +216,18 @@ class HostStore(LayoutQueries):
         return sum(tile_bytes(l.numel, self.compute_dtype, self.master_dtype) for l in self.layouts.values())
 
     # ------------------------------------------------------------ HF names
-    def master_view(self, tile: str, slot: Slot) -> torch.Tensor:
+    def master_view(self, tile: str, place: ParamPlace) -> torch.Tensor:
         t = self.tiles[tile]
-        return t.master[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return t.master[place.offset:place.offset + place.numel].view(place.shape)
 
-    def write_master(self, tile: str, slot: Slot, tensor: torch.Tensor) -> None:
-        """Copy one whole HF tensor into its master slot (loading; the sharded store keeps its part)."""
-        self.master_view(tile, slot).copy_(tensor)
+    def write_master(self, tile: str, place: ParamPlace, tensor: torch.Tensor) -> None:
+        """Copy one whole HF tensor into its place among the masters (loading; the sharded store keeps its part)."""
+        self.master_view(tile, place).copy_(tensor)
 
     def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """Views of the masters under HF names (cast copies when dtype is given): for tests and export."""
         out = {}
-        for hf, tname, slot in self.hf_items():
-            v = self.master_view(tname, slot)
+        for hf, tname, place in self.hf_items():
+            v = self.master_view(tname, place)
             out[hf] = v if dtype is None else v.to(dtype)
         return out

@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
@@ -83,19 +81,19 @@ def run_rank(r: Recipe, spec: RankSpec, *, force: bool = False) -> int:
             leave_process_group()
 
 
-def _child(r: Recipe, rank: int, world: int, init_method: str, force: bool, parent: int) -> None:
+def _child(rank: int, world: int, init_method: str, r: Recipe, force: bool) -> None:
+    """One spawned rank (train/supervise.spawn_ranks has made it watch the launcher and set LOCAL_RANK)."""
+    from megatrain_cli.machine import usable_cpus
     from megatrain_cli.train import stop
-    from megatrain_cli.train.supervise import watch_parent
+    from megatrain_cli.train.supervise import peer_gone
 
-    watch_parent(parent, rank)  # first: a rank never outlives the launcher
     stop.install()
     stop.unblock()  # blocked by the launcher until now: a signal that came meanwhile is recorded here
-    os.environ["LOCAL_RANK"] = str(rank)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.set_num_threads(max(1, usable_cpus() // world))  # the ranks share the host's CPUs
     try:
         code = run_rank(r, RankSpec(rank, world, init_method), force=force)
     except Exception as err:
-        if not _peer_gone(err):
+        if not peer_gone(err):
             raise
         # Another rank ended mid-collective: the launcher names it; one line here, not a gloo traceback.
         print(f"rank {rank}: stopped, a collective failed ({str(err).splitlines()[0][:200]})", file=sys.stderr)
@@ -103,36 +101,16 @@ def _child(r: Recipe, rank: int, world: int, init_method: str, force: bool, pare
     sys.exit(code)
 
 
-def _peer_gone(err: BaseException) -> bool:
-    import torch.distributed as dist
-
-    text = str(err)
-    return isinstance(err, dist.DistError) or any(s in text for s in ("Connection reset by peer",
-                                                                      "Connection closed by peer", "Broken pipe"))
-
-
 def spawn(r: Recipe, world: int, *, force: bool = False) -> int:
     """Run `world` ranks as child processes under one Supervisor (train/supervise.py): signals reach every
     rank, a failed rank takes the rest down, none outlives the launcher. The exit code is the ranks'
     common one, or the first failing rank's (128 + N when it was killed by signal N)."""
-    import torch.multiprocessing as mp
-
     from megatrain_cli.train.lock import check_free
-    from megatrain_cli.train.supervise import Supervisor, signals_blocked
+    from megatrain_cli.train.supervise import spawn_ranks
 
     try:
         check_free(r.output_dir)  # rank 0 takes the lock; refuse a held output_dir before starting any rank
     except TrainingError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.code
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="megatrain-dist-") as tmp:
-        init = f"file://{Path(tmp) / 'rendezvous'}"
-        procs = [ctx.Process(target=_child, args=(r, rank, world, init, force, os.getpid()))
-                 for rank in range(world)]
-        supervisor = Supervisor(procs, r.output_dir)
-        with signals_blocked():
-            for p in procs:
-                p.start()
-            supervisor.install()
-        return supervisor.run()
+    return spawn_ranks(_child, (r, force), world, output_dir=r.output_dir)
