@@ -327,3 +327,74 @@ def test_metric_totals_over_micro_batches_and_ranks():
     kto.add({"rewards/chosen": torch.tensor([], dtype=torch.float64), "rewards/rejected": torch.tensor([-3.0]),
              "kl": torch.tensor([0.0])})
     assert kto.means() == {"rewards/chosen": 2.0, "rewards/rejected": -2.0, "kl": 0.25, "rewards/margins": 4.0}
+
+
+# ---------------------------------------------------------------- the plain-PyTorch reference (preference_reference.py)
+def test_the_reference_formulas_agree_with_the_methods():
+    """Two independent writings of each formula (the parity tests' reference and megatrain_cli.methods)."""
+    from tests.preference_reference import Hyper, unit_losses
+
+    hp = Hyper(beta=0.3, label_smoothing=0.1, simpo_gamma=0.4, orpo_lambda=0.2, desirable_weight=1.3,
+               undesirable_weight=0.6)
+    policy, reference, layout = pairs_case(p=6, seed=7)
+    c, r = layout.chosen.tolist(), layout.rejected.tolist()
+    for name in ("dpo", "ipo", "simpo", "orpo"):
+        values = lambda s: [[s.logps[i], s.logps[j]] for i, j in zip(c, r)]  # noqa: E731
+        counts = [[int(policy.tokens[i]), int(policy.tokens[j])] for i, j in zip(c, r)]
+        want = unit_losses(name, hp, values(policy), values(reference), counts, [[True, False]] * len(c))
+        cfg = PreferenceConfig(**{k: v for k, v in vars(hp).items() if k in vars(make_method(name))})
+        got, _ = make_method(name, cfg).loss(policy, reference, layout)
+        assert_close(got.tolist(), [float(v) for v in want])
+    order = layout.sequences.argsort().tolist()  # KTO: each sequence its own example
+    want = unit_losses("kto", hp, [[policy.logps[i]] for i in order], [[reference.logps[i]] for i in order],
+                       [[1]] * len(order), [[bool(layout.desirable[i])] for i in order])
+    got, _ = make_method("kto", PreferenceConfig(beta=0.3, desirable_weight=1.3, undesirable_weight=0.6)).loss(
+        policy, reference, layout)
+    assert_close(got[order].tolist(), [float(v) for v in want])
+
+
+@pytest.fixture(scope="module")
+def tiny_pref():
+    """The bundled tokenizer, preference micro-batches of the bundled set, and a tiny model of its vocabulary."""
+    from transformers import AutoModelForCausalLM
+
+    from megatrain_cli.data.preference import load_preference_examples
+    from megatrain_cli.data.preference_rows import build_preference_data
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+    from megatrain_cli.recipe import DataConfig
+    from tests.reference import tiny_config
+
+    tok = load_bundled_tokenizer()
+    data_cfg = DataConfig(source="builtin:sample_math_pref", max_samples=4, cache_dir="off")
+    data = build_preference_data(load_preference_examples(data_cfg, "dpo"), tok, data_cfg, 256, seed=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(vocab=len(tok), layers=2), dtype=torch.float32)
+    return data, model
+
+
+def test_the_reference_starts_at_ln2_learns_and_normalises_per_pair(tiny_pref):
+    import copy
+
+    from megatrain_cli.recipe import TrainConfig
+    from tests.preference_reference import Hyper, reference_preference_train, units_of
+
+    data, model = tiny_pref
+    (mb,) = data.next_step(2, 1)
+    units = units_of(mb, "dpo")
+    assert len(units) == 4
+    for unit, c, r in zip(units, mb.layout.chosen.tolist(), mb.layout.rejected.tolist()):
+        for seq, s in zip(unit, (mb.layout.sequences[c], mb.layout.sequences[r])):
+            lo, hi = int(data.offsets[s]), int(data.offsets[s + 1])
+            assert seq.input_ids[:hi - lo].tolist() == data.tokens[lo:hi].tolist()
+            assert (seq.labels[hi - lo:] == IGNORE_INDEX).all()  # the row's padding, after the last sequence
+    cfg = TrainConfig(steps=3, lr=1e-2, weight_decay=0.1, max_grad_norm=1.0, warmup_steps=1)
+    whole, split = copy.deepcopy(model), copy.deepcopy(model)
+    history = reference_preference_train(whole, [[units]] * 3, "dpo", Hyper(beta=0.5), cfg, 3)
+    ln2 = float(torch.tensor(math.log(2), dtype=torch.float32))
+    assert history[0][0] == [ln2] * 4  # the policy is the reference: exactly ln 2 (in fp32)
+    assert sum(history[2][0]) / 4 < math.log(2) - 0.01
+    reference_preference_train(split, [[units[:1], units[1:]]] * 3, "dpo", Hyper(beta=0.5), cfg, 3)
+    for a, b in zip(whole.parameters(), split.parameters()):  # per pair, whatever the micro-batches
+        assert torch.allclose(a, b, rtol=0, atol=1e-5)  # fp32 sums in another order
+    kto = reference_preference_train(copy.deepcopy(model), [[units_of(mb, "kto")]], "kto", Hyper(), cfg, 1)
+    assert kto[0][0] == [0.5] * 8  # r = 0 and z0 = 0: each example's loss is 1 - sigmoid(0)
