@@ -340,3 +340,27 @@ def test_recipe_keys_follow_the_method():
     r = load_recipe(root / "tiny.yaml", ["train.method=kto", "data.source=builtin:sample_math_kto",
                                          "preference.desirable_weight=1.2"])
     assert (r.train.method, r.preference.desirable_weight, r.preference.reference_cache) == ("kto", 1.2, "auto")
+
+
+# ---------------------------------------------------------------- the reference's score cache
+def test_score_cache_round_trip_key_and_refusals(tmp_path, monkeypatch):
+    from megatrain_cli.data.score_cache import ScoreCache, cache_key, default_cache_dir
+    from megatrain_cli.methods import SequenceScores
+
+    key = cache_key("data-fp", "tokenizer-fp", "model-fp", "bf16")
+    assert key != cache_key("data-fp", "tokenizer-fp", "model-fp", "fp32")
+    assert cache_key("ab", "c") != cache_key("a", "bc")
+    scores = SequenceScores(torch.randn(6, dtype=torch.float64), torch.arange(1, 7))
+    cache = ScoreCache(str(tmp_path / "ref"), key)
+    assert cache.load(6) is None and cache.save(scores)
+    again = ScoreCache(str(tmp_path / "ref"), key).load(6)
+    assert torch.equal(again.logps, scores.logps) and torch.equal(again.tokens, scores.tokens)
+    assert ScoreCache(str(tmp_path / "ref"), key).load(7) is None  # other data: not trusted
+    assert ScoreCache(str(tmp_path / "ref"), cache_key("other")).load(6) is None
+    cache.path.write_bytes(b"damaged")
+    assert cache.load(6) is None
+    off = ScoreCache("off", key)
+    assert off.path is None and not off.save(scores) and off.load(6) is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ScoreCache("auto", key).path == tmp_path / "xdg" / "megatrain" / "reference" / f"{key}.safetensors"
+    assert default_cache_dir() == tmp_path / "xdg" / "megatrain" / "reference"
