@@ -105,7 +105,7 @@ def _load_spec(data_cfg: DataConfig, name: str, key: str, method: str, default_s
 
 def split_preference_examples(examples: list[PreferenceExample], data_cfg: DataConfig,
                               method: str) -> tuple[list[PreferenceExample], list[PreferenceExample]]:
-    """(train, test): `data.test_source` read as preference data, else data.py's seeded random hold-out."""
+    """(train, test): `data.test_source` read as preference data, else load.py's seeded random hold-out."""
     if data_cfg.test_source:
         test_cfg = dataclasses.replace(data_cfg, source=data_cfg.test_source, split=None, max_samples=None,
                                        datasets=[], mix_size=None)
