@@ -82,13 +82,14 @@ def test_an_unknown_name_is_refused_naming_the_registry_and_the_known_names(regi
 
 
 def test_bad_entries_are_refused_by_name(tmp_path):
-    bad = {"x": {"path": "x.jsonl", "ranking": True}, "y": {"path": "y.jsonl", "hub": "o/n"},
-           "z": {"path": "z.jsonl", "images": "img"}, "w": {"path": "w.jsonl", "format": "dpo"},
-           "t": {"path": "t.jsonl", "tags": {"role_tag": "speaker"}}}
+    bad = {"x": {"path": "x.jsonl", "ranking": True, "columns": {"kto_tag": "tag"}},
+           "y": {"path": "y.jsonl", "hub": "o/n"}, "z": {"path": "z.jsonl", "images": "img"},
+           "w": {"path": "w.jsonl", "format": "dpo"}, "t": {"path": "t.jsonl", "tags": {"role_tag": "speaker"}}}
     path = tmp_path / "r.json"
     path.write_text(json.dumps(bad))  # JSON, as LLaMA-Factory writes it
-    for name, pattern in (("x", "preference"), ("y", "exactly one of path"), ("z", "unsupported key.*'images'"),
-                          ("w", "unknown format 'dpo'"), ("t", "tags.role_tag='speaker'")):
+    for name, pattern in (("x", "ranking: true, or format preference.*kto_tag.*at once"), ("y", "exactly one of path"),
+                          ("z", "unsupported key.*'images'"), ("w", "unknown format 'dpo'"),
+                          ("t", "tags.role_tag='speaker'")):
         with pytest.raises(DataError, match=pattern):
             resolve(str(path), name)
 

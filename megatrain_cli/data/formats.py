@@ -8,6 +8,9 @@ data set's own field name. One extra key, `gold`, names a field holding the fina
 
 Chats come in two layouts, both read as format `messages`: OpenAI's `messages` of {role, content}
 (system / user / assistant) and ShareGPT's `conversations` of {from, value} (system / human / gpt).
+
+Preference data (`preference`: chosen / rejected; `unpaired_preference`: a labelled completion) is read by
+data/preference.py for the preference methods; here, on the supervised path, it is refused by name.
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ GOLD_KEY = "gold"
 MESSAGE_FIELD_ALIASES = ("messages", "conversations")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 ROLES = ("system", "user", "assistant", "tool")
+# Preference data (TRL's names): the fields that tell it apart, and every canonical field its readers take.
+PREFERENCE_FORMATS = {"preference": ("chosen", "rejected"), "unpaired_preference": ("completion", "label")}
+PREFERENCE_FIELD_KEYS = ("prompt", "chosen", "rejected", "completion", "label")
+PREFERENCE_METHODS = "train.method dpo, ipo, simpo, orpo or kto"
 
 
 def valid_field_keys() -> list[str]:
     keys = {k for fields in REQUIRED_FIELDS.values() for k in fields}
-    keys |= {k for fields in OPTIONAL_FIELDS.values() for k in fields}
+    keys |= {k for fields in OPTIONAL_FIELDS.values() for k in fields} | set(PREFERENCE_FIELD_KEYS)
     return sorted(keys) + [GOLD_KEY, SYSTEM_KEY]
 
 
@@ -59,8 +66,22 @@ def field_name(fmt: str, canonical: str, fields: dict, record: dict | None = Non
     return canonical
 
 
+def detect_preference_format(record: dict, fields: dict) -> str | None:
+    """'preference' when the record has a chosen or a rejected field (one missing is then named), else
+    'unpaired_preference' when it has a completion and a label, else None (field names after overrides)."""
+    if any(fields.get(k, k) in record for k in PREFERENCE_FORMATS["preference"]):
+        return "preference"
+    if all(fields.get(k, k) in record for k in PREFERENCE_FORMATS["unpaired_preference"]):
+        return "unpaired_preference"
+    return None
+
+
 def detect_format(record: dict, fields: dict, label: str) -> str:
-    """The first format whose required fields (after overrides) the record has."""
+    """The first format whose required fields (after overrides) the record has; preference data is refused
+    first (a ShareGPT ranking record has `conversations` too)."""
+    preference = detect_preference_format(record, fields)
+    if preference is not None:
+        _refuse_preference(preference, label, f"record 0 has the fields of {preference} data")
     for fmt in DETECTION_ORDER:
         if all(field_name(fmt, c, fields, record) in record for c in REQUIRED_FIELDS[fmt]):
             return fmt
@@ -74,6 +95,8 @@ def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str)
     check_field_overrides(fields, label)
     if fmt == "auto":
         fmt = detect_format(records[0], fields, label)
+    if fmt in PREFERENCE_FORMATS:
+        _refuse_preference(fmt, label, f"format {fmt}")
     if fmt not in REQUIRED_FIELDS:
         raise DataError(f"{label}: unknown format {fmt!r} (known: auto, {', '.join(REQUIRED_FIELDS)})")
     convert = {"metamathqa": _prompt_response("query", "response"), "gsm8k": _prompt_response("question", "answer"),
@@ -97,6 +120,12 @@ def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str)
             example.answer = extract_answer(example.response)
         examples.append(example)
     return examples
+
+
+def _refuse_preference(fmt: str, label: str, what: str) -> None:
+    methods = "train.method kto" if fmt == "unpaired_preference" else PREFERENCE_METHODS
+    raise DataError(f"{label}: {what} ({', '.join(PREFERENCE_FORMATS[fmt])}: preference data), not prompt / "
+                    f"response pairs: it trains with {methods}, not with supervised fine-tuning (train.method sft)")
 
 
 # ---------------------------------------------------------------- per-format conversion
@@ -135,7 +164,7 @@ def _messages(record: dict, fmt: str, fields: dict, where: str) -> Example:
     turns = record.get(name)
     if not isinstance(turns, list) or not turns:
         raise DataError(f"{where}: field {name!r} should be a non-empty list of {{role, content}} messages")
-    messages = [_message(turn, f"{where}, {name}[{j}]") for j, turn in enumerate(turns)]
+    messages = [read_message(turn, f"{where}, {name}[{j}]") for j, turn in enumerate(turns)]
     late_system = [j for j, m in enumerate(messages) if m["role"] == "system" and j > 0]
     if late_system:
         raise DataError(f"{where}: {name}[{late_system[0]}] is a system message after the conversation started "
@@ -148,7 +177,8 @@ def _messages(record: dict, fmt: str, fields: dict, where: str) -> Example:
     return Example(messages[-2]["content"], messages[-1]["content"], history=messages[:-2], chat=True)
 
 
-def _message(turn, where: str) -> dict:
+def read_message(turn, where: str) -> dict:
+    """One chat message ({role, content} or ShareGPT's {from, value}) with its role's canonical name."""
     if not isinstance(turn, dict):
         raise DataError(f"{where}: expected an object with role and content, got {type(turn).__name__}")
     role = turn.get("role", turn.get("from"))

@@ -15,9 +15,11 @@ The file (`data.registry`, YAML or JSON) maps each name to an entry:
 
 LLaMA-Factory's dataset_info.json reads as it is where it describes the same things: `file_name`,
 `hf_hub_url`, `subset`, `split`, `num_samples`, `formatting` (alpaca / sharegpt), its alpaca columns
-(prompt / query / response / system) and `tags` with the two chat layouts' own names. Anything else
-(preference data, tools, images, custom role names) is refused by name, never ignored. Reading the
-file costs a YAML parse per resolution; datasets are read only when loaded.
+(prompt / query / response / system) and `tags` with the two chat layouts' own names. Its preference
+entries read too: `ranking: true` with columns chosen / rejected (format `preference`), and KTO's `kto_tag`
+column (format `unpaired_preference`), in either formatting (data/preference.py reads the records). Anything
+else (tools, images, custom role names) is refused by name, never ignored. Reading the file costs a YAML
+parse per resolution; datasets are read only when loaded.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from pathlib import Path
 import yaml
 
 from megatrain_cli.data.errors import DataError
-from megatrain_cli.data.formats import REQUIRED_FIELDS, valid_field_keys
+from megatrain_cli.data.formats import PREFERENCE_FORMATS, REQUIRED_FIELDS, valid_field_keys
 from megatrain_cli.recipe.checks import REGISTRY_PREFIX as PREFIX
 
 KEYS = ("path", "hub", "subset", "split", "format", "columns", "max_samples")
@@ -37,6 +39,8 @@ KEYS = ("path", "hub", "subset", "split", "format", "columns", "max_samples")
 KEY_ALIASES = {"file_name": "path", "hf_hub_url": "hub", "formatting": "format", "num_samples": "max_samples"}
 FORMAT_ALIASES = {"sharegpt": "messages", "openai": "messages"}
 ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output"}  # LLaMA-Factory -> ours
+# LLaMA-Factory's preference / KTO columns -> ours (prompt, chosen, rejected, messages, system keep their names).
+PREFERENCE_COLUMNS = {"query": "input", "response": "completion", "kto_tag": "label"}
 # Tags LLaMA-Factory writes for ShareGPT / OpenAI chats, which formats.py reads by itself.
 DEFAULT_TAGS = {"role_tag": ("from", "role"), "content_tag": ("value", "content"), "user_tag": ("human", "user"),
                 "assistant_tag": ("gpt", "assistant"), "system_tag": ("system",)}
@@ -91,8 +95,9 @@ def _spec(name: str, entry, file: Path, where: str) -> DatasetSpec:
         raise DataError(f"{where}: expected a mapping (path or hub, format, columns), got {entry!r}")
     entry = dict(entry)
     tags = entry.pop("tags", None) or {}
-    if entry.pop("ranking", False):
-        raise DataError(f"{where}: ranking (preference) data is not supported; supervised fine-tuning data only")
+    ranking = entry.pop("ranking", False)
+    if not isinstance(ranking, bool):
+        raise DataError(f"{where}: ranking should be true or false, got {ranking!r}")
     entry = {KEY_ALIASES.get(k, k): v for k, v in entry.items()}
     unknown = [k for k in entry if k not in KEYS]
     if unknown:
@@ -109,9 +114,12 @@ def _spec(name: str, entry, file: Path, where: str) -> DatasetSpec:
         if k in entry and (not isinstance(entry[k], str) or not entry[k].strip()):
             raise DataError(f"{where}: {k} should be a non-empty string, got {entry[k]!r}")
     fmt = FORMAT_ALIASES.get(entry.get("format", "auto"), entry.get("format", "auto"))
-    if fmt != "auto" and fmt not in REQUIRED_FIELDS:
+    if fmt != "auto" and fmt not in REQUIRED_FIELDS and fmt not in PREFERENCE_FORMATS:
         raise DataError(f"{where}: unknown format {entry.get('format')!r} (known: auto, {', '.join(REQUIRED_FIELDS)}, "
-                        f"{', '.join(FORMAT_ALIASES)})")
+                        f"{', '.join(PREFERENCE_FORMATS)}, {', '.join(FORMAT_ALIASES)})")
+    columns = entry.get("columns") or {}
+    if ranking or fmt in PREFERENCE_FORMATS or (isinstance(columns, dict) and "kto_tag" in columns):
+        fmt, columns = _preference(ranking, fmt, columns, where)
     max_samples = entry.get("max_samples")
     if max_samples is not None and (not isinstance(max_samples, int) or isinstance(max_samples, bool)
                                     or max_samples < 1):
@@ -121,8 +129,21 @@ def _spec(name: str, entry, file: Path, where: str) -> DatasetSpec:
         source = str(path if path.is_absolute() else (file.parent / path).resolve())
     else:
         source = entry["hub"] + (f":{entry['subset']}" if entry.get("subset") else "")
-    return DatasetSpec(name, source, fmt, _columns(entry.get("columns") or {}, fmt, where), entry.get("split"),
-                       max_samples)
+    return DatasetSpec(name, source, fmt, _columns(columns, fmt, where), entry.get("split"), max_samples)
+
+
+def _preference(ranking: bool, fmt: str, columns, where: str) -> tuple[str, dict]:
+    """(format, columns in our names) of a preference entry: LLaMA-Factory's ranking (pairs) or kto_tag
+    (labelled completions), alpaca or sharegpt alike (the reader tells a prompt from a conversation), or our own
+    format preference / unpaired_preference."""
+    if not isinstance(columns, dict):
+        return fmt, columns  # _columns names the problem
+    unpaired = "kto_tag" in columns or fmt == "unpaired_preference"
+    if unpaired and (ranking or fmt == "preference"):
+        raise DataError(f"{where}: pairs (ranking: true, or format preference) and KTO's labelled single completions "
+                        f"(kto_tag, or format unpaired_preference) at once; an entry is one or the other")
+    return ("unpaired_preference" if unpaired else "preference"), {PREFERENCE_COLUMNS.get(k, k): v
+                                                                   for k, v in columns.items()}
 
 
 def _columns(columns, fmt: str, where: str) -> dict:

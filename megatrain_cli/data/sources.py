@@ -1,9 +1,10 @@
 """Reading raw records (dicts) from wherever `data.source` points.
 
-Order of resolution: `builtin:NAME`; an existing file (.json / .jsonl / .parquet); an existing
-directory (saved by `datasets.save_to_disk`, or holding data files); otherwise a Hugging Face dataset
-name, optionally `name:config` (e.g. `openai/gsm8k:main`). `datasets` is imported only on the last two
-paths: the GPU machine may lack it, and plain files do not need it.
+Order of resolution: `builtin:NAME` (a bundled file, or a set made on the fly: data/sample_pref.py); an
+existing file (.json / .jsonl / .parquet); an existing directory (saved by `datasets.save_to_disk`, or
+holding data files); otherwise a Hugging Face dataset name, optionally `name:config` (e.g.
+`openai/gsm8k:main`). `datasets` is imported only on the last two paths: the GPU machine may lack it, and
+plain files do not need it.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import json
 from pathlib import Path
 
 from megatrain_cli.data.errors import DataError
+from megatrain_cli.data.sample_pref import GENERATED
 from megatrain_cli.recipe.checks import REGISTRY_PREFIX
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_SOURCES = {"sample_math": ASSETS_DIR / "sample_math.jsonl"}  # made by data/sample_math.py
+BUILTIN_NAMES = (*BUILTIN_SOURCES, *GENERATED)  # GENERATED (data/sample_pref.py): made when read, no file
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 # Files `datasets.save_to_disk` writes: a Dataset writes state.json, a DatasetDict dataset_dict.json.
 SAVED_DATASET_MARKERS = ("dataset_dict.json", "state.json")
@@ -31,11 +34,13 @@ def read_records(source: str, split: str | None = None, *, default_split: str = 
     """
     if source.startswith("builtin:"):
         name = source[len("builtin:"):]
-        if name not in BUILTIN_SOURCES:
+        if name not in BUILTIN_NAMES:
             raise DataError(f"data.source: unknown built-in data set {source!r} "
-                            f"(known: {', '.join('builtin:' + k for k in BUILTIN_SOURCES)})")
-        path = BUILTIN_SOURCES[name]
-        return _check_records(_read_file(path, split, max_records), source), source
+                            f"(known: {', '.join('builtin:' + k for k in BUILTIN_NAMES)})")
+        if name in GENERATED:
+            _no_splits(Path(source), split)
+            return _check_records(GENERATED[name]()[:max_records], source), source
+        return _check_records(_read_file(BUILTIN_SOURCES[name], split, max_records), source), source
     path = Path(source).expanduser()
     if path.is_file():
         return _check_records(_read_file(path, split, max_records), str(path)), str(path)
@@ -55,9 +60,9 @@ def check_source(source: str, key: str = "data.source") -> None:
     if source.startswith(REGISTRY_PREFIX):
         return
     if source.startswith("builtin:"):
-        if source[len("builtin:"):] not in BUILTIN_SOURCES:
+        if source[len("builtin:"):] not in BUILTIN_NAMES:
             raise DataError(f"{key}: unknown built-in data set {source!r} "
-                            f"(known: {', '.join('builtin:' + k for k in BUILTIN_SOURCES)})")
+                            f"(known: {', '.join('builtin:' + k for k in BUILTIN_NAMES)})")
         return
     path = Path(source).expanduser()
     if not path.exists() and _looks_like_path(source):

@@ -12,7 +12,7 @@ import difflib
 import math
 import re
 
-from megatrain_cli.recipe.schema import DataConfig, Recipe
+from megatrain_cli.recipe.schema import DataConfig, PreferenceConfig, Recipe
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -53,6 +53,7 @@ def check_semantics(r: Recipe, problems: list[str], *, for_training: bool = True
     _check_engine(r, problems)
     _check_outputs(r, problems)
     _check_data(r, problems)
+    _check_preference(r, problems)
 
 
 def _at_least(problems: list[str], key: str, value, low: int, *, nullable: bool = False) -> None:
@@ -217,3 +218,51 @@ def _check_data(r: Recipe, problems: list[str]) -> None:
                 problems.append(f"{key}: does not apply to registry datasets (their entries give format and "
                                 f"columns); remove it")
     _at_least(problems, "eval.num_fewshot", r.eval.num_fewshot, 0)
+
+
+# The preference settings each method reads (the others, set, are refused rather than ignored).
+PREFERENCE_KEYS = {"sft": (), "dpo": ("beta", "label_smoothing"), "ipo": ("beta",),
+                   "simpo": ("beta", "simpo_gamma", "label_smoothing"), "orpo": ("orpo_lambda",),
+                   "kto": ("beta", "desirable_weight", "undesirable_weight")}
+SFT_FORMATS = ("metamathqa", "gsm8k", "alpaca", "messages")
+PREFERENCE_FORMATS = ("preference", "unpaired_preference")
+
+
+def _check_preference(r: Recipe, problems: list[str]) -> None:
+    p, method, fmt = r.preference, r.train.method, r.data.format
+    if p.beta <= 0:
+        problems.append(f"preference.beta: must be > 0, got {p.beta}")
+    if not 0.0 <= p.label_smoothing < 0.5:
+        problems.append(f"preference.label_smoothing: must be in [0, 0.5) (the probability a label is flipped), "
+                        f"got {p.label_smoothing}")
+    for key in ("simpo_gamma", "orpo_lambda"):
+        if getattr(p, key) < 0:
+            problems.append(f"preference.{key}: must be >= 0, got {getattr(p, key)}")
+    for key in ("desirable_weight", "undesirable_weight"):
+        if getattr(p, key) <= 0:
+            problems.append(f"preference.{key}: must be > 0, got {getattr(p, key)}")
+    if not str(p.reference_cache).strip():
+        problems.append("preference.reference_cache: empty; give 'auto', a directory or off")
+    defaults = PreferenceConfig()
+    for key in ("beta", "label_smoothing", "simpo_gamma", "orpo_lambda", "desirable_weight", "undesirable_weight"):
+        if getattr(p, key) != getattr(defaults, key) and key not in PREFERENCE_KEYS[method]:
+            users = [m for m, keys in PREFERENCE_KEYS.items() if key in keys]
+            if method == "sft":
+                problems.append(f"preference.{key}: train.method is sft, which reads no preference setting; set "
+                                f"train.method ({', '.join(users)} read{'s' if len(users) == 1 else ''} it) or remove "
+                                f"preference.{key}")
+            else:
+                problems.append(f"preference.{key}: train.method {method} does not read it (only "
+                                f"{', '.join(users)}); remove it")
+    if method == "sft" and fmt in PREFERENCE_FORMATS:
+        methods = "kto" if fmt == "unpaired_preference" else "dpo, ipo, simpo, orpo or kto"
+        problems.append(f"data.format: {fmt} is preference data, which train.method sft (the default) does not "
+                        f"read; set train.method to {methods}")
+    elif method != "sft" and fmt in SFT_FORMATS:
+        unpaired = " or unpaired_preference ({prompt, completion, label})" if method == "kto" else ""
+        problems.append(f"data.format: {fmt} is supervised (prompt / response) data; train.method {method} trains on "
+                        f"preference data: data.format preference (records {{prompt, chosen, rejected}}){unpaired}, "
+                        f"or auto")
+    elif method not in ("sft", "kto") and fmt == "unpaired_preference":
+        problems.append(f"data.format: unpaired_preference (single completions labelled good or bad) trains with "
+                        f"train.method kto only; {method} needs pairs (data.format preference)")

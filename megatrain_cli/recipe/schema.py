@@ -42,9 +42,11 @@ class DataConfig:
     source: str = doc("A dataset: 'builtin:sample_math' (bundled), a local .json/.jsonl/.parquet file, a "
                       "directory saved by `datasets`, a Hugging Face dataset name, or 'registry:NAME' (an entry "
                       "of data.registry).", "builtin:sample_math")
-    format: Literal["auto", "metamathqa", "gsm8k", "alpaca", "messages"] = doc(
+    format: Literal["auto", "metamathqa", "gsm8k", "alpaca", "messages", "preference", "unpaired_preference"] = doc(
         "Record format; 'auto' detects it from the fields. 'messages' reads OpenAI (messages: role/content) and "
-        "ShareGPT (conversations: from/value, human/gpt) chats.", "auto")
+        "ShareGPT (conversations: from/value, human/gpt) chats. The preference methods (train.method) read TRL's "
+        "'preference' ({prompt, chosen, rejected}, as text or as chat messages) and 'unpaired_preference' "
+        "({prompt, completion, label}: KTO's); docs/preference.md.", "auto")
     fields: dict = doc("Field-name overrides, e.g. {query: question, response: answer}; `system` names a field "
                        "holding each record's system prompt.", factory=dict)
     template: Literal["auto", "chat", "plain"] = doc(
@@ -110,6 +112,32 @@ class TrainConfig:
         "rates (measured: docs/precision.md). It also turns off engine.speculate_optimizer (a rounded weight "
         "cannot be corrected exactly): every update waits for the step's gradient norm. Needs model.dtype bf16; "
         "a checkpoint resumes only with the setting it was written with.", "fp32")
+    method: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"] = doc(
+        "What the loss is: 'sft' the token-mean cross-entropy on the replies; the preference methods train on "
+        "preference data (data.format preference / unpaired_preference) with the loss averaged over pairs (KTO: "
+        "examples): 'dpo' (with a reference), 'ipo' (reference, per-token means), 'simpo' and 'orpo' (no "
+        "reference), 'kto' (reference, unpaired labelled examples). Their settings: the preference section.",
+        "sft")
+
+
+@dataclass
+class PreferenceConfig:
+    beta: float = doc("beta of DPO, IPO (the paper's tau), SimPO and KTO: how far the policy may move from the "
+                      "reference (TRL's DPOConfig / CPOConfig / KTOConfig beta). SimPO's paper uses 2 to 10.", 0.1)
+    label_smoothing: float = doc("Conservative DPO (cDPO): the probability that a pair's labels are flipped, in "
+                                 "[0, 0.5); DPO and SimPO only (TRL's label_smoothing).", 0.0)
+    simpo_gamma: float = doc("SimPO's target reward margin gamma (TRL's CPOConfig.simpo_gamma); the loss "
+                             "subtracts gamma / beta from the mean log-prob margin.", 0.5)
+    orpo_lambda: float = doc("ORPO's lambda: the weight of the odds-ratio term next to the chosen NLL (TRL's "
+                             "ORPOConfig.beta).", 0.1)
+    desirable_weight: float = doc("KTO: the weight of desirable examples' losses (TRL's KTOConfig); keep "
+                                  "desirable_weight * n_desirable / (undesirable_weight * n_undesirable) in "
+                                  "[1, 4/3].", 1.0)
+    undesirable_weight: float = doc("KTO: the weight of undesirable examples' losses (TRL's KTOConfig).", 1.0)
+    reference_cache: Union[Literal["auto", "off"], str] = doc(
+        "Cache of the reference's per-sequence log-probs (keyed by the data, tokenizer, template and model "
+        "files), reused by a rerun or a resume: 'auto' (the user's cache directory: "
+        "~/.cache/megatrain/reference), a directory, or off.", "auto")
 
 
 @dataclass
@@ -228,6 +256,8 @@ class Recipe:
     model: ModelConfig = doc("What to train.", factory=ModelConfig)
     data: DataConfig = doc("What to train on.", factory=DataConfig)
     train: TrainConfig = doc("Optimisation.", factory=TrainConfig)
+    preference: PreferenceConfig = doc("The preference methods' hyper-parameters (train.method; TRL's names and "
+                                       "defaults).", factory=PreferenceConfig)
     engine: EngineConfig = doc("How layers stream.", factory=EngineConfig)
     checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
     logging: LoggingConfig = doc("Metrics and the live view.", factory=LoggingConfig)
