@@ -120,7 +120,7 @@ class UpdateOnRead:
 class OptimizerWorker:
     def __init__(self, optimizer: HostAdamW, store: HostStore, *, forward_order: list[str],
                  max_grad_norm: float | None, speculate: bool = True, assume_clipped: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, update_on_read: frozenset[str] = frozenset()):
         if threads is not None and threads < 1:  # raised here, not in the worker thread's first job
             raise ValueError(f"OptimizerWorker threads must be >= 1 (None: torch's default), got {threads}")
         self.optimizer, self.store = optimizer, store
@@ -144,9 +144,9 @@ class OptimizerWorker:
         self._moments_through = 0  # deferred moments of steps <= this index may run
         self._seq = 0
         self._closed = False
-        # Set by the engine: the tiles whose deferred updates are held for the streamer's claim (update on
-        # read: the ones it streams in the next forward; not the embedding, whose rows are read on the host).
-        self.update_on_read: frozenset[str] = frozenset()
+        # The tiles whose deferred updates are held for the streamer's claim (update on read: the ones it
+        # streams in the next forward; not the embedding, whose rows are read on the host).
+        self.update_on_read = update_on_read
         self.waited_s = 0.0  # host seconds any thread spent blocked in wait(): the optimizer behind the GPU
         # The previous verdict: clipped or skipped. Before any verdict, assume clipped: the first steps
         # of a run are the likeliest to clip, and a one-step bench would otherwise time a correction.
@@ -260,7 +260,9 @@ class OptimizerWorker:
 
     # ------------------------------------------------------------ gradient-lander thread
     def landed(self, tile: str, sq_norm: float) -> None:
-        """`tile`'s gradient for the current step is complete in the host store."""
+        """`tile`'s gradient for the current step is complete in the host store; `sq_norm` its squared norm
+        (a float or a one-element tensor)."""
+        sq_norm = float(sq_norm)
         with self._cv:
             ctx = self._ctx
             ctx.partial_sq += sq_norm

@@ -43,7 +43,7 @@ sharded placement): the training thread issues all of them on the default group,
 The overlapped CUDA path (sharded_cuda.py) issues the weight all-gathers from the packer thread on
 `weight_group`, a second NCCL communicator, and everything else from the training thread on the default
 group: one thread per communicator, so each sees the same ordered sequence on every rank (the optimizer
-worker and the gradient lander run no collective). `DistContext.overlap = False` keeps a CUDA run on
+worker and the gradient lander run no collective). `engine.overlap_ranks=false` keeps a CUDA run on
 the classes here.
 
 Host tensors (gathering the masters for tests / export) go through `cpu_group`, a gloo group; under
@@ -63,6 +63,7 @@ import torch
 from megatrain_cli.engine.dist import DistContext
 from megatrain_cli.engine.transfer.reference import GradSink, WeightStreamer
 from megatrain_cli.engine.transfer.slots import Slot, TransferStats
+from megatrain_cli.engine.transfer.updates import HostUpdates
 from megatrain_cli.store.sharded import ShardedHostStore
 
 
@@ -112,11 +113,11 @@ class RowsFromOwners:
         self.store, self.device, self.dtype, self.ctx, self.stats = store, device, dtype, ctx, stats
         self.plan: RowPlan | None = None
 
-    def embed_rows(self, ids: torch.Tensor, acquire, before_read) -> torch.Tensor:
+    def embed_rows(self, ids: torch.Tensor, acquire, wait) -> torch.Tensor:
         """The embedding rows of this rank's unique token ids (`ids`: on the device, sorted), [u, H] in the
         compute dtype, in that order. Tied: read from the whole table, `acquire("embed")`. Else two host
-        syncs (the used set's size and bounds), a pageable H2D of this rank's |U|/N rows and two
-        all-reduces (the used-row marks, the rows)."""
+        syncs (the used set's size and bounds), a pageable H2D of this rank's |U|/N rows (after
+        `wait("embed")`: the host optimizer is done with them) and two all-reduces (the used-row marks, the rows)."""
         V, H = self.store.adapter.vocab_size, self.store.adapter.hidden_size
         if self.store.adapter.tied:
             return acquire("embed").view(V, H)[ids]
@@ -130,8 +131,7 @@ class RowsFromOwners:
         lo, hi = (int(b) for b in bounds.tolist())
         local = (used[lo:hi] - first).cpu()
         buf = torch.zeros(used.numel(), H, dtype=self.dtype, device=self.device)
-        if before_read is not None:
-            before_read("embed")
+        wait("embed")
         buf[lo:hi] = self.store.tiles["embed"].master.view(rows_per, H)[local].to(self.device, self.dtype)
         self.ctx.all_reduce(buf)  # one non-zero term per element: exact
         self.plan = RowPlan(used, lo, hi, local, torch.searchsorted(used, ids))
@@ -144,8 +144,9 @@ class DistStreamer(WeightStreamer):
     """WeightStreamer over a ShardedHostStore: shard copy, then an all-gather into the whole-layer slot."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
-                 layer_slots: int = 2, before_read=None):
-        super().__init__(store, device, dtype, layer_slots, before_read, place=Shards(store, ctx))
+                 layer_slots: int, updates: HostUpdates, on_bind):
+        super().__init__(store, device, dtype, layer_slots=layer_slots, updates=updates, on_bind=on_bind,
+                         place=Shards(store, ctx))
         self.ctx = ctx
         self.owners = RowsFromOwners(store, device, dtype, ctx, self.stats)
 
@@ -159,7 +160,7 @@ class DistStreamer(WeightStreamer):
 
     def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
         """RowsFromOwners.embed_rows for this rank's unique token ids (host int64, sorted)."""
-        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.before_read)
+        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.updates.wait)
 
 
 class ShardReducer:
@@ -214,8 +215,8 @@ class DistGradSink(GradSink):
     """Gradients leave the device reduce-scattered: each rank's host grad section gets its shard of the
     sum over ranks. Keeps this rank's share of the global squared norm (`take_sq_norm`)."""
 
-    def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext):
-        super().__init__(store, streamer.stats)
+    def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext, updates: HostUpdates):
+        super().__init__(store, streamer.stats, updates)
         self.shards = ShardReducer(store, ctx, streamer.stats, streamer.owners)
 
     def reset(self) -> None:

@@ -3,7 +3,7 @@ packer thread and gradient slabs, with each rank moving only ITS shard of a tile
 and NCCL assembling the whole layer between the GPUs. The synchronous reference path, the embedding
 rows and the global norm are sharded.py's (RowsFromOwners, ShardReducer: held here as there).
 
-    packer thread   waits for host AdamW to be done with this rank's shard (before_read), casts the
+    packer thread   waits for host AdamW to be done with this rank's shard (updates.wait), casts the
                     SHARD fp32 -> compute dtype into pinned staging (CudaStreamer._transfer)
     H2D stream      waits Buffer-Free, copies the shard into the rank's slice of the whole-layer slot,
                     records Shard-Landed
@@ -15,7 +15,7 @@ rows and the global norm are sharded.py's (RowsFromOwners, ShardReducer: held he
                     into an fp32 shard, adds the shard's squared norm to this rank's share (device)
     D2H stream      waits on the reduce stream, casts the shard to the grad dtype and copies it into
                     pinned slabs (CudaGradSink._send_flat, waiting on the reduce stream)
-    lander thread   waits Slab-Full, copies the slab into the host shard's grad, calls on_landed (the
+    lander thread   waits Slab-Full, copies the slab into the host shard's grad, calls updates.landed (the
                     optimizer worker starts on the shard), as on one GPU
 
 Two NCCL communicators, one thread each. NCCL needs every rank to issue a communicator's collectives in
@@ -50,6 +50,7 @@ from megatrain_cli.engine.dist import DistContext
 from megatrain_cli.engine.transfer.cuda import CudaGradSink, CudaStreamer
 from megatrain_cli.engine.transfer.sharded import RowPlan, RowsFromOwners, ShardReducer, Shards
 from megatrain_cli.engine.transfer.slots import Slot
+from megatrain_cli.engine.transfer.updates import HostUpdates
 from megatrain_cli.store.sharded import ShardedHostStore
 
 
@@ -93,10 +94,10 @@ class DistCudaStreamer(CudaStreamer):
     weight communicator fills the other ranks' slices (OverlappedShards; module docstring)."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
-                 layer_slots: int = 2, double_buffer: bool = True, before_read=None, packer_threads: int | None = None):
-        super().__init__(store, device, dtype, layer_slots=layer_slots, staging_numel=largest_layer_shard(store),
-                         double_buffer=double_buffer, before_read=before_read, packer_threads=packer_threads,
-                         place=OverlappedShards(store, ctx, device))
+                 layer_slots: int, double_buffer: bool, packer_threads: int | None, updates: HostUpdates, on_bind):
+        super().__init__(store, device, dtype, layer_slots=layer_slots, double_buffer=double_buffer,
+                         packer_threads=packer_threads, updates=updates, on_bind=on_bind,
+                         staging_numel=largest_layer_shard(store), place=OverlappedShards(store, ctx, device))
         self.ctx = ctx
         self.owners = RowsFromOwners(store, device, dtype, ctx, self.stats)
         # The packer thread's CUDA calls on this rank's GPU (a new thread starts on device 0).
@@ -114,15 +115,16 @@ class DistCudaStreamer(CudaStreamer):
     def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
         """RowsFromOwners.embed_rows for this rank's unique token ids (host int64, sorted); tied, the table
         comes through acquire (the pipeline)."""
-        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.before_read)
+        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.updates.wait)
 
 
 class DistCudaGradSink(CudaGradSink):
     """CudaGradSink's slabs and lander for this rank's shards: each gradient is reduce-scattered on a side
     stream first, and only the shard crosses PCIe (module docstring)."""
 
-    def __init__(self, store: ShardedHostStore, streamer: DistCudaStreamer, ctx: DistContext, *, slabs: int = 12):
-        super().__init__(store, streamer.stats, ctx.device, slabs=slabs, slab_numel=largest_layer_shard(store),
+    def __init__(self, store: ShardedHostStore, streamer: DistCudaStreamer, ctx: DistContext, updates: HostUpdates, *,
+                 slabs: int):
+        super().__init__(store, streamer.stats, ctx.device, updates, slabs=slabs, slab_numel=largest_layer_shard(store),
                          lander_sets_device=True)
         self.shards = ShardReducer(store, ctx, streamer.stats, streamer.owners)
         self.reduce = torch.cuda.Stream(ctx.device)  # the reduce-scatters and the norm share; the D2H waits on it
