@@ -255,9 +255,18 @@ def test_waiting_for_a_tiles_state_releases_held_moments():
 
 
 def test_the_engine_makes_the_gradient_lander_wait_for_deferred_moments():
+    from megatrain_cli.engine.transfer.updates import NO_UPDATES, HostUpdates
+
     store = make_store()
     engine = make_engine(store, TrainConfig(lr=1e-3), device="cpu", checkpoint_interval=1, overlap_optimizer=True)
     try:  # the sink calls its updates' wait_state before it writes a tile's gradient (engine/transfer/updates.py)
         assert engine.sink.updates is engine.worker and engine.sink.updates.wait_state == engine.worker.wait_state
+        assert engine.streamer.updates is engine.worker and isinstance(engine.worker, HostUpdates)
     finally:
         engine.close()
+    plain = make_engine(store, TrainConfig(lr=1e-3), device="cpu", checkpoint_interval=1, overlap_optimizer=False)
+    try:  # no thread beside the step: nothing to wait for
+        assert plain.worker is None and plain.sink.updates is plain.streamer.updates is NO_UPDATES
+        assert isinstance(NO_UPDATES, HostUpdates)
+    finally:
+        plain.close()
