@@ -20,6 +20,7 @@ from megatrain_cli.bench.settings import BenchRun, bench_model_config, bench_rec
 from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,9 +35,10 @@ def cpu_recipe(*overrides: str, preset: str = "tiny", batch: int = 2, seq: int =
 def plain_engine_losses(preset: str, batch: int, seq: int, *, accum: int = 1, steps: int, layers: int | None = None):
     """Every step's loss of a plain engine (no pipelined optimizer, no plan) on the bench's store and batches."""
     config = bench_model_config(cpu_recipe(preset=preset, seq=seq), layers)
-    engine = Engine(build_store(config, torch.float32, seed=0),
-                    TrainConfig(steps=steps, lr=1e-5, max_grad_norm=1.0, grad_accum=accum, micro_batch_size=batch,
-                                seq_len=seq), device=torch.device("cpu"))
+    engine = make_engine(build_store(config, torch.float32, seed=0),
+                         TrainConfig(steps=steps, lr=1e-5, max_grad_norm=1.0, grad_accum=accum,
+                                     micro_batch_size=batch, seq_len=seq), device="cpu", checkpoint_interval=1,
+                         overlap_optimizer=False)
     losses = [engine.step([synthetic_batch(config.vocab_size, batch, seq, seed=s * 97 + k) for k in range(accum)],
                           1e-5).loss for s in range(steps)]
     engine.close()

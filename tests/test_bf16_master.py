@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from megatrain_cli.batch import IGNORE_INDEX
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim import adamw_cpp
 from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient, lr_at
 from megatrain_cli.recipe import RecipeError, TrainConfig, load_recipe
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,8 +90,8 @@ def test_each_step_is_fp32_adamw_rounded_to_bf16_bit_for_bit(kernel):
     config, store, batches = _setup()
     cfg = _cfg()
     ref = FusedReference(store, cfg)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=16,
-                    kernels="torch", host_adamw=kernel)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=16, kernels="torch",
+                         host_adamw=kernel, overlap_optimizer=False)
     assert store.host_bytes() == sum(t.nbytes for t in store.tiles.values())
     clipped = 0
     for s, mbs in enumerate(batches):
@@ -159,8 +159,8 @@ def test_three_steps_equal_a_plain_bf16_model_with_rounded_fp32_adamw():
     config, store, batches = _setup()
     cfg = _cfg()
     start = {k: v.clone() for k, v in store.hf_state_dict().items()}
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=16,
-                    kernels="torch")
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=16, kernels="torch",
+                         overlap_optimizer=False)
     ours = [engine.step(mbs, lr_at(s, cfg, STEPS)).losses for s, mbs in enumerate(batches)]
     engine.close()
     theirs, final = _hf_reference(start, config, batches, cfg)
@@ -369,8 +369,8 @@ def test_bf16_masters_on_the_cuda_pipeline(resident):
         _, store, batches = _setup()
         cfg = _cfg(eps=1e-6)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            engine = Engine(store, cfg, device=torch.device("cuda"), checkpoint_interval=2, loss_chunk_tokens=24,
-                            overlap_optimizer=overlap, grad_slabs=2, resident_layers=resident)
+            engine = make_engine(store, cfg, device="cuda", checkpoint_interval=2, loss_chunk_tokens=24,
+                                 overlap_optimizer=overlap, grad_slabs=2, resident_layers=resident, kernels="torch")
             results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
             engine.close()
         assert all(r.grad_norm > cfg.max_grad_norm for r in results), "clipping must be active"

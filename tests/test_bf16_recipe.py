@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.families import VERIFIED
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
 from tests.bf16_reference import autocast_reference, recipe_reference
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 STEPS, ACCUM = 4, 2
@@ -25,8 +25,8 @@ def run(family: str, device: str):
     masters = {k: v.clone() for k, v in store.hf_state_dict().items()}
     cfg = TrainConfig(steps=STEPS, lr=2e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1, grad_accum=ACCUM)
     batches = random_batches(config.vocab_size, STEPS, ACCUM, batch=2, seq=32, seed=5)
-    engine = Engine(store, cfg, device=torch.device(device), checkpoint_interval=2, loss_chunk_tokens=16,
-                    kernels="torch")
+    engine = make_engine(store, cfg, device=device, checkpoint_interval=2, loss_chunk_tokens=16, kernels="torch",
+                         overlap_optimizer=False)
     ours = [engine.step(mbs, lr_at(s, cfg, STEPS)).losses for s, mbs in enumerate(batches)]
     engine.close()
     same, same_masters = recipe_reference(masters, config, batches, cfg, device)

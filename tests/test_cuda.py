@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, reference_model, reference_train, tiny_config
 
 pytestmark = [pytest.mark.cuda,
@@ -19,16 +19,16 @@ STEPS, ACCUM = 3, 2
 
 
 def train(device, dtype, *, arch="Qwen2ForCausalLM", tied=False, layers=5, interval=2, overlap=True,
-          hidden=64, seed=3, keep_blocks=frozenset(), max_grad_norm=0.5, **engine_kwargs):
+          hidden=64, seed=3, keep_blocks=frozenset(), max_grad_norm=0.5, kernels="torch", **engine_kwargs):
     config = tiny_config(arch, tied=tied, layers=layers, hidden=hidden, inter=hidden * 3)
     store = build_store(config, dtype, seed=seed)
     cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=1,
                       grad_accum=ACCUM, eps=1e-6)
     batches = random_batches(config.vocab_size, STEPS, ACCUM, batch=2, seq=32, seed=5)
     start = {k: v.clone() for k, v in store.hf_state_dict().items()}
-    engine = Engine(store, cfg, device=torch.device(device), checkpoint_interval=interval,
-                    loss_chunk_tokens=24, overlap_optimizer=overlap, grad_slabs=3, keep_blocks=keep_blocks,
-                    **engine_kwargs)
+    engine = make_engine(store, cfg, device=device, checkpoint_interval=interval, loss_chunk_tokens=24,
+                         overlap_optimizer=overlap, grad_slabs=3, keep_blocks=keep_blocks, kernels=kernels,
+                         **engine_kwargs)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     engine.close()
     return config, store, start, batches, cfg, results
@@ -91,7 +91,8 @@ def _peak_step_bytes(layers: int) -> tuple[int, int, int]:
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    engine = Engine(store, cfg, device=torch.device("cuda"), checkpoint_interval=2, grad_slabs=2)
+    engine = make_engine(store, cfg, device="cuda", checkpoint_interval=2, grad_slabs=2, kernels="torch",
+                         overlap_optimizer=False)
     slots = len(engine.streamer.layer_slots)
     batch = random_batches(config.vocab_size, 1, 1, batch=1, seq=16, seed=0)[0]
     engine.step(batch, 1e-4)
@@ -155,9 +156,9 @@ def test_updates_applied_on_read_on_the_cuda_pipeline():
                           grad_accum=ACCUM, eps=1e-6)
         batches = random_batches(config.vocab_size, STEPS, ACCUM, batch=2, seq=32, seed=5)
         with math_attention():
-            engine = Engine(store, cfg, device=torch.device("cuda"), checkpoint_interval=3, loss_chunk_tokens=24,
-                            overlap_optimizer=True, grad_slabs=3, host_adamw="cpp", defer_moments=True,
-                            update_on_read=on_read)
+            engine = make_engine(store, cfg, device="cuda", checkpoint_interval=3, loss_chunk_tokens=24,
+                                 overlap_optimizer=True, grad_slabs=3, host_adamw="cpp", defer_moments=True,
+                                 update_on_read=on_read, kernels="torch")
             assert engine.update_on_read == on_read
             results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
             engine.close()

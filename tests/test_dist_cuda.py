@@ -20,6 +20,7 @@ from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 pytestmark = [pytest.mark.cuda,
@@ -46,9 +47,9 @@ def _cfg(accum: int) -> TrainConfig:
                        grad_accum=accum, eps=1e-6)
 
 
-def _engine(store, accum: int, device, **dist) -> Engine:
-    return Engine(store, _cfg(accum), device=device, checkpoint_interval=2, loss_chunk_tokens=24,
-                  overlap_optimizer=True, grad_slabs=3, **dist)
+def _engine(store, accum: int, device, **kw) -> Engine:
+    return make_engine(store, _cfg(accum), device=device, checkpoint_interval=2, loss_chunk_tokens=24,
+                       overlap_optimizer=True, grad_slabs=3, kernels="torch", **kw)
 
 
 def _batches(vocab: int, accum: int):
@@ -72,10 +73,9 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     out = {}
     with _math_attention():
         for run, (tied, accum, dtype, overlap) in RUNS.items():
-            ctx.overlap = overlap
             config = _config(tied)
             store = build_sharded_store(config, dtype, rank, world, seed=3, cpu_group=ctx.cpu_group)
-            engine = _engine(store, accum, ctx.device, dist=ctx)
+            engine = _engine(store, accum, ctx.device, dist=ctx, overlap_ranks=overlap)
             assert type(engine.streamer) is (DistCudaStreamer if overlap else DistStreamer)
             results = [engine.step(split_micro_batches(mbs, rank, world), lr_at(s, _cfg(accum), STEPS))
                        for s, mbs in enumerate(_batches(config.vocab_size, accum))]

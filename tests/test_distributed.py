@@ -27,6 +27,7 @@ from megatrain_cli.optim.host_adamw import HostAdamW, lr_at
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.models.loader import build_sharded_store
 from megatrain_cli.store.sharded import ShardedHostStore
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 STEPS, WORLD = 3, 2
@@ -96,19 +97,17 @@ def _cuda_stand_ins() -> None:
 
 
 def _overlapped_pair(engine: Engine, store, ctx) -> None:
-    """Put DistCudaStreamer / DistCudaGradSink in the engine, wired as Engine.__init__ wires them on CUDA."""
+    """Put DistCudaStreamer / DistCudaGradSink in the engine, built as make_transfers builds them on CUDA."""
     from megatrain_cli.engine.transfer import sharded_cuda as dist_pipeline
-    from megatrain_cli.engine.templates import WeightRedirect
+    from megatrain_cli.engine.transfer.updates import NO_UPDATES
 
-    worker = engine.worker
-    streamer = dist_pipeline.DistCudaStreamer(store, engine.device, engine.dtype, ctx,
-                                              before_read=worker.wait if worker else None)
-    sink = dist_pipeline.DistCudaGradSink(store, streamer, ctx, slabs=3)
-    if worker is not None:
-        sink.on_landed, sink.before_write = worker.landed, worker.wait_state
-    engine.streamer, engine.sink = streamer, sink
-    engine.redirect = WeightRedirect(streamer.resident)
-    streamer.on_bind = engine.redirect.bind
+    updates = engine.worker if engine.worker is not None else NO_UPDATES
+    e = engine.settings
+    streamer = dist_pipeline.DistCudaStreamer(store, engine.device, engine.dtype, ctx, layer_slots=e.layer_slots,
+                                              double_buffer=e.double_buffer, packer_threads=e.packer_threads,
+                                              updates=updates, on_bind=engine.redirect.bind)
+    sink = dist_pipeline.DistCudaGradSink(store, streamer, ctx, updates, slabs=3)
+    engine.streamer, engine.sink = streamer, sink  # the redirect asks engine.streamer where a tile is
 
 
 def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -134,8 +133,8 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
             cfg = _cfg(accum, max_norm)
             # One case runs the fallbacks for a gloo without all_gather_into_tensor / reduce_scatter_tensor.
             ctx._gather_tensor_ok = ctx._scatter_tensor_ok = False if name == "tied-uneven" else None
-            engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval,
-                            loss_chunk_tokens=7, overlap_optimizer=overlap, dist=ctx)
+            engine = make_engine(store, cfg, device="cpu", checkpoint_interval=interval, loss_chunk_tokens=7,
+                                 overlap_optimizer=overlap, dist=ctx)
             if variant == "overlapped":
                 _overlapped_pair(engine, store, ctx)
             if overlap:
@@ -161,8 +160,8 @@ def _single(tied, layers, interval, accum, overlap, max_norm):
     config = tiny_config("Qwen2ForCausalLM", tied=tied, layers=layers)
     store = build_store(config, torch.float32, seed=3)
     cfg = _cfg(accum, max_norm)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval, loss_chunk_tokens=7,
-                    overlap_optimizer=overlap)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=interval, loss_chunk_tokens=7,
+                         overlap_optimizer=overlap)
     if overlap:
         engine.worker.last_clipped = False
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(_batches(config.vocab_size, accum))]

@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.families import VERIFIED
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, reference_model, reference_train, tiny_config
 
 STEPS, ACCUM, SEQ = 3, 2, 16
@@ -44,7 +44,8 @@ def run_both(config, *, interval=2, pack=True, batches=None, chunk=7):
         if pack:
             batches = packed(batches)
     ref_losses = reference_train(ref, batches, cfg, STEPS)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval, loss_chunk_tokens=chunk)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=interval, loss_chunk_tokens=chunk,
+                         overlap_optimizer=False)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     return store, ref, ref_losses, results
 

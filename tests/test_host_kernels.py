@@ -212,17 +212,18 @@ def test_weights_then_moments_is_bit_identical_to_the_update(grad_dtype, clip, n
 
 
 def test_the_engine_passes_its_choices_to_host_adamw():
-    from megatrain_cli.engine.step import Engine
     from megatrain_cli.models.loader import build_store
+    from tests.engines import make_engine
     from tests.reference import tiny_config
 
     store = build_store(tiny_config("Qwen2ForCausalLM", layers=2), torch.float32, seed=0)
-    engine = Engine(store, CFG, device=torch.device("cpu"), host_adamw="torch", overlap_optimizer=True)
+    engine = make_engine(store, CFG, device="cpu", checkpoint_interval=1, host_adamw="torch", overlap_optimizer=True)
     try:
         assert engine.optimizer.kernel == "torch" and not engine.optimizer.defer_moments
     finally:
         engine.close()
-    engine = Engine(store, CFG, device=torch.device("cpu"), defer_moments=False, overlap_optimizer=True)
+    engine = make_engine(store, CFG, device="cpu", checkpoint_interval=1, defer_moments=False,
+                         overlap_optimizer=True)
     try:
         assert engine.optimizer.kernel == "cpp" and not engine.optimizer.defer_moments  # 'auto': it compiles here
     finally:
@@ -240,7 +241,7 @@ def test_defer_moments_choice():
 @pytest.mark.parametrize("speculate", [False, True])
 def test_engine_with_deferred_moments_is_bit_identical(speculate):
     # Clipped steps defer every update (no speculation after a clipped step), so the moments of step t
-    # are written while step t+1 runs, and its gradients land only after them (GradSink.before_write).
+    # are written while step t+1 runs, and its gradients land only after them (updates.wait_state).
     from tests.test_speculation import train
 
     _, probe = train(1e9, overlap=False, steps=1, host_adamw="cpp")
@@ -304,9 +305,9 @@ def test_updates_applied_on_read_are_bit_identical(speculate, tied):
     """Update on read (optim/worker.py): with bf16 compute the streamer claims each clipped step's deferred
     weight update and applies it as it casts the tile for the next forward; losses, norms and the whole
     state equal the worker's own weights pass + cast bit for bit, and the claims did happen."""
-    from megatrain_cli.engine.step import Engine
     from megatrain_cli.models.loader import build_store
     from megatrain_cli.optim.host_adamw import lr_at
+    from tests.engines import make_engine
     from tests.reference import random_batches, tiny_config
 
     config = tiny_config("Qwen2ForCausalLM", layers=4, tied=tied)
@@ -315,13 +316,13 @@ def test_updates_applied_on_read_are_bit_identical(speculate, tied):
     runs = []
     for on_read in (False, True):
         store = build_store(config, torch.bfloat16, seed=3)
-        engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
-                        overlap_optimizer=True, speculate=speculate, host_adamw="cpp", defer_moments=True,
-                        update_on_read=on_read)
+        engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=7,
+                             overlap_optimizer=True, speculate_optimizer=speculate, host_adamw="cpp",
+                             defer_moments=True, update_on_read=on_read)
         assert engine.update_on_read == on_read
         claimed = []
         if on_read:
-            claim = engine.streamer.claim
+            claim = engine.worker.claim  # what the streamer calls (engine/transfer/updates.py)
 
             def counted(tile, claim=claim):
                 update = claim(tile)
@@ -329,7 +330,7 @@ def test_updates_applied_on_read_are_bit_identical(speculate, tied):
                     claimed.append(tile)
                 return update
 
-            engine.streamer.claim = counted
+            engine.worker.claim = counted
         results = [engine.step(mbs, lr_at(s, cfg, 4)) for s, mbs in enumerate(batches)]
         engine.close()
         runs.append(([r.losses for r in results], [r.grad_norm for r in results], store, claimed))

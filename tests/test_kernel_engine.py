@@ -32,10 +32,10 @@ import torch
 from megatrain_cli import kernels
 from megatrain_cli.engine import kernel_patch, lean_layers
 from megatrain_cli.engine.plan.lean import GiB, plan_long_context
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 CUDA = torch.cuda.is_available()
@@ -117,8 +117,8 @@ def train(config, kernels_choice, *, accum=1, seq=12, batch=1, device="cpu", dty
     cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1,
                       grad_accum=accum, eps=1e-6)
     engine_kwargs.setdefault("loss_chunk_tokens", 5)  # a chunk that does not divide the tokens
-    engine = Engine(store, cfg, device=torch.device(device), checkpoint_interval=1, kernels=kernels_choice,
-                    **engine_kwargs)
+    engine = make_engine(store, cfg, device=device, checkpoint_interval=1, kernels=kernels_choice,
+                         overlap_optimizer=False, **engine_kwargs)
     batches = random_batches(config.vocab_size, STEPS, accum, batch=batch, seq=seq, seed=5, prompt_len=3)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     engine.close()
@@ -194,7 +194,7 @@ def test_kernels_compose_with_the_long_context_path(triton_path, monkeypatch):
     plain_chunked_mlp = lean_layers.chunked_mlp
     monkeypatch.setattr(lean_layers, "chunked_mlp", lambda *a, **k: chunked.append(1) or plain_chunked_mlp(*a, **k))
     calls = count_triton_calls(monkeypatch)
-    store, engine, results = train(config, "triton", long_context=plan)
+    store, engine, results = train(config, "triton", lean=plan)
     for template in engine.templates.all():
         assert kernel_patch.installed_kernels(template) == {"rms_norm": 4, "swiglu": 0, "rope": 1}
         assert lean_layers.mlp_chunk_tokens(template) == 5
@@ -252,7 +252,8 @@ def test_explicit_triton_on_cpu_without_interpreter_warns_and_uses_torch(monkeyp
 def test_torch_engine_installs_nothing():
     config = tiny_config("Qwen3ForCausalLM", layers=1)
     store = build_store(config, torch.float32, seed=0)
-    engine = Engine(store, TrainConfig(steps=1), device=torch.device("cpu"), kernels="auto")
+    engine = make_engine(store, TrainConfig(steps=1), device="cpu", checkpoint_interval=1, kernels="auto",
+                         overlap_optimizer=False)
     assert engine.kernels == "torch" and engine._fused_ce is None
     for template in (*engine.templates.all(), engine.norm_template):
         assert not any("forward" in m.__dict__ for m in template.modules())

@@ -14,6 +14,7 @@ from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 STEPS = 2
@@ -24,7 +25,7 @@ def train(config, accum, **engine_kwargs):
     store = build_store(config, torch.float32, seed=3)
     cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1,
                       grad_accum=accum, eps=1e-6)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=1, **engine_kwargs)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=1, overlap_optimizer=False, **engine_kwargs)
     batches = random_batches(config.vocab_size, STEPS, accum, batch=BATCH, seq=SEQ, seed=5)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     engine.close()
@@ -53,7 +54,7 @@ def test_long_context_engine_trains_like_the_plain_one(monkeypatch, arch, tied, 
     plain_chunked_mlp = lean_layers.chunked_mlp
     monkeypatch.setattr(lean_layers, "chunked_mlp", lambda *a, **k: chunked_calls.append(1) or plain_chunked_mlp(*a, **k))
     plan = forced_plan(config, accum, lean=lean, offloaded=offloaded)
-    store, engine, results = train(config, accum, loss_chunk_tokens=4096, keep_blocks=keep, long_context=plan)
+    store, engine, results = train(config, accum, loss_chunk_tokens=4096, keep_blocks=keep, lean=plan)
 
     # The plan's pieces are what ran.
     assert engine.chunk == 7 and all(lean_layers.mlp_chunk_tokens(t) == 5 for t in engine.templates.all())
@@ -76,14 +77,11 @@ def test_long_context_engine_trains_like_the_plain_one(monkeypatch, arch, tied, 
         torch.testing.assert_close(ours[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def test_long_context_plan_must_match_the_engines_interval():
+def test_an_unknown_sdpa_backend_is_refused():
     config = tiny_config(layers=2)
     store = build_store(config, torch.float32, seed=0)
-    plan = forced_plan(config, 1, lean=False, offloaded=0)
-    with pytest.raises(ValueError, match="checkpoint_interval"):
-        Engine(store, TrainConfig(), device=torch.device("cpu"), checkpoint_interval=2, long_context=plan)
     with pytest.raises(ValueError, match="SDPA backend"):
-        Engine(store, TrainConfig(), device=torch.device("cpu"), sdpa="fastest")
+        make_engine(store, TrainConfig(), device="cpu", checkpoint_interval=1, overlap_optimizer=False, sdpa="fastest")
 
 
 def test_choose_plan_takes_lean_norms_only_when_hf_does_not_fit():
@@ -281,8 +279,8 @@ def test_packed_long_rows_are_refused_before_the_mask_is_built(monkeypatch):
     monkeypatch.setattr(inputs_module, "MAX_LONG_CONTEXT_MASK", 2 * SEQ * SEQ - 1)
     config = tiny_config(layers=2)
     store = build_store(config, torch.float32, seed=0)
-    engine = Engine(store, TrainConfig(), device=torch.device("cpu"), long_context=forced_plan(config, 1, lean=False,
-                                                                                                offloaded=1))
+    engine = make_engine(store, TrainConfig(), device="cpu", lean=forced_plan(config, 1, lean=False, offloaded=1),
+                         overlap_optimizer=False)
     (mbs,) = random_batches(config.vocab_size, 1, 1, batch=BATCH, seq=SEQ, seed=0)
     engine.forward_backward(mbs)  # one document per row: no mask, whatever the length
     mbs[0].position_ids = torch.cat([torch.arange(9), torch.arange(7)]).expand(BATCH, SEQ).clone()
@@ -316,8 +314,8 @@ def test_long_context_on_cuda_trains_like_the_plain_cuda_engine():
         store = build_store(config, torch.float32, seed=3)
         cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1,
                           grad_accum=accum, eps=1e-6)
-        engine = Engine(store, cfg, device=dev, checkpoint_interval=1, loss_chunk_tokens=7, overlap_optimizer=True,
-                        grad_slabs=3, long_context=plan, sdpa="math" if plan else "auto")
+        engine = make_engine(store, cfg, device=dev, checkpoint_interval=1, loss_chunk_tokens=7, overlap_optimizer=True,
+                             grad_slabs=3, lean=plan, sdpa="math" if plan else "auto", kernels="torch")
         pinned = engine.reserve_checkpoint_buffers([(BATCH, SEQ)] * accum)
         batches = random_batches(config.vocab_size, STEPS, accum, batch=BATCH, seq=SEQ, seed=5)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):

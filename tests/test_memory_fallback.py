@@ -151,7 +151,7 @@ def bench_tiny(monkeypatch, *overrides: str):
 def test_bench_falls_back_to_the_memory_lean_path_and_trains_like_the_ordinary_one(monkeypatch):
     budget, lean = offloading_bench_budget()
     ref_store, ref, _, ref_engine = bench_tiny(monkeypatch)
-    assert ref_engine.long_context is None and ref_engine.interval == 4 and "memory-lean" not in ref.notes
+    assert ref_engine.plan.lean is None and ref_engine.interval == 4 and "memory-lean" not in ref.notes
 
     store, res, lines, engine = bench_tiny(monkeypatch, f"engine.max_gpu_mem={budget}B")
     text = "\n".join(lines)
@@ -160,7 +160,7 @@ def test_bench_falls_back_to_the_memory_lean_path_and_trains_like_the_ordinary_o
     assert "2 of 4 checkpoints offloaded" in res.notes
     assert "checkpoint_interval=1" in res.notes and "keep_blocks=0" in res.notes
     assert engine.interval == 1 and engine.keep_blocks == frozenset() and engine.chunk == lean.loss_chunk_tokens
-    assert engine.long_context.offloaded_checkpoints == 2
+    assert engine.plan.lean.offloaded_checkpoints == 2
     # Both offloaded checkpoints of both micro-batches went out and came back, every step (3 with the warm-up).
     moved = 3 * 2 * ACCUM * BATCH * SEQ * 128 * 4
     assert engine.offloader.d2h_bytes == engine.offloader.h2d_bytes == moved and engine.offloader.late_gets == 0

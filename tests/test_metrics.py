@@ -158,16 +158,16 @@ def test_keep_steps_up_to_drops_the_steps_a_resume_redoes_and_a_torn_line(tmp_pa
 def test_step_metrics_count_the_recomputed_layers_in_executed_flops(keep, expect_recomputed):
     import torch
 
-    from megatrain_cli.engine.step import Engine
     from megatrain_cli.models.loader import build_store
     from megatrain_cli.recipe import TrainConfig
     from megatrain_cli.metrics.flops import streamed_step_flops
     from megatrain_cli.metrics.step import step_metrics
+    from tests.engines import make_engine
     from tests.reference import random_batches, tiny_config
 
     store = build_store(tiny_config("Qwen2ForCausalLM", layers=4), torch.float32, seed=0)
-    engine = Engine(store, TrainConfig(lr=1e-3), device=torch.device("cpu"), checkpoint_interval=2,
-                    keep_blocks=keep, overlap_optimizer=False)
+    engine = make_engine(store, TrainConfig(lr=1e-3), device="cpu", checkpoint_interval=2, keep_blocks=keep,
+                         overlap_optimizer=False)
     try:
         assert engine.recomputed_layers() == expect_recomputed
         (mbs,) = random_batches(store.adapter.vocab_size, 1, 1, batch=2, seq=16, seed=1)

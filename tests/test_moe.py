@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from megatrain_cli.batch import IGNORE_INDEX
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.families import VERIFIED_MOE, moe_spec
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.test_families import assert_parity
 from tests.reference import random_batches, reference_model, reference_train, saved_bytes, tiny_config
 
@@ -50,8 +50,8 @@ def run_both(config, *, edit=None, keep_blocks=frozenset(), aux=True, interval=2
     batches = batches_for(config)
     ref = reference_model(store, config)
     ref_losses = reference_train(ref, batches, cfg, STEPS, router_aux=aux)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval, loss_chunk_tokens=7,
-                    keep_blocks=keep_blocks, **engine_kwargs)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=interval, loss_chunk_tokens=7,
+                         keep_blocks=keep_blocks, overlap_optimizer=False, **engine_kwargs)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     engine.close()
     return store, ref, ref_losses, results
@@ -142,7 +142,7 @@ def test_experts_run_transformers_grouped_mm(monkeypatch):
     config = tiny_config("qwen2_moe", layers=3)  # layer 1 is dense (mlp_only_layers)
     store = build_store(config, torch.float32, seed=3)
     cfg = TrainConfig(steps=1, lr=1e-3, grad_accum=1, eps=1e-6)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=1)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=1, overlap_optimizer=False)
     experts = [m for t in engine.templates.all() for m in t.modules() if hasattr(m, "has_gate")]
     assert experts and all(m.config._experts_implementation == "grouped_mm" for m in experts)
     engine.step(random_batches(config.vocab_size, 1, 1, batch=2, seq=SEQ)[0], 1e-3)
@@ -152,7 +152,7 @@ def test_experts_run_transformers_grouped_mm(monkeypatch):
 
 def test_dense_models_have_no_router_loss():
     store = build_store(tiny_config("qwen3", layers=2), torch.float32, seed=3)
-    engine = Engine(store, TrainConfig(steps=1), device=torch.device("cpu"))
+    engine = make_engine(store, TrainConfig(steps=1), device="cpu", checkpoint_interval=1, overlap_optimizer=False)
     assert engine.moe is None and engine.router is None
     engine.close()
 
@@ -167,10 +167,10 @@ def test_long_context_path_chunks_only_the_dense_layers():
     plan = plan_long_context(config, SEQ, batch=2 * ACCUM, device_budget_bytes=GiB, mlp_chunk_tokens=5,
                              chunk_mlp=True, loss_chunk_tokens=7, offload=False, lean_norms=True)
     plan.offloaded_checkpoints = 2
-    store, ref, ref_losses, results = run_both(config, long_context=plan, interval=1)
+    store, ref, ref_losses, results = run_both(config, lean=plan, interval=1)
     assert_parity(store, ref, ref_losses, results)
-    engine_templates = Engine(store, TrainConfig(steps=1), device=torch.device("cpu"),
-                              long_context=plan, checkpoint_interval=1).templates
+    engine_templates = make_engine(store, TrainConfig(steps=1), device="cpu", lean=plan,
+                                   overlap_optimizer=False).templates
     chunked = {type(t.mlp).__name__: lean_layers.mlp_chunk_tokens(t) for t in engine_templates.all()}
     assert chunked == {"Qwen2MoeMLP": 5, "Qwen2MoeSparseMoeBlock": None}
 

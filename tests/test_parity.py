@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, reference_model, reference_train, tiny_config
 
 CASES = [
@@ -46,8 +46,8 @@ def run_both(arch, tied, layers, interval, *, packed=False, chunk=7, keep_blocks
                 pos = torch.cat([torch.arange(9), torch.arange(7)]).expand_as(mb.input_ids).clone()
                 mb.position_ids = pos
     ref_losses = reference_train(ref, batches, cfg, STEPS)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=interval,
-                    loss_chunk_tokens=chunk, keep_blocks=keep_blocks)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=interval, loss_chunk_tokens=chunk,
+                         keep_blocks=keep_blocks, overlap_optimizer=False)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     return store, ref, ref_losses, results
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import tests.engines
 import tests.test_cuda as cuda_tests
 from megatrain_cli.engine import lean_layers
 from megatrain_cli.engine.plan.lean import GiB, LeanPlan, plan_long_context, plan_memory_lean
@@ -138,7 +139,7 @@ def engines(monkeypatch):
             super().__init__(*args, **kwargs)
             made.append(self)
 
-    monkeypatch.setattr(cuda_tests, "Engine", Recorded)
+    monkeypatch.setattr(tests.engines, "Engine", Recorded)  # what make_engine builds
     return made
 
 
@@ -146,7 +147,7 @@ def run_kind(kind: Kind, device: str, dtype: torch.dtype, *, hidden: int, **engi
     """test_cuda.train() with the kind's settings: (config, store, start, batches, cfg, results, plan)."""
     plan = lean_plan(kind, hidden, dtype)
     out = train(device, dtype, arch=kind.arch, tied=kind.tied, layers=kind.layers, interval=kind.interval,
-                hidden=hidden, keep_blocks=kind.keep, resident_layers=kind.resident, long_context=plan,
+                hidden=hidden, keep_blocks=kind.keep, resident_layers=kind.resident, lean=plan,
                 **engine_kwargs)
     return (*out, plan)
 
@@ -171,9 +172,9 @@ def assert_kind_ran(kind: Kind, engine: Engine, results, batches, plan: LeanPlan
     if kind.interval > 2 and exact_counts:
         assert max(results[-1].h2d_count.values()) == 3, results[-1].h2d_count
     if plan is None:
-        assert engine.long_context is None and engine.offloader is None
+        assert engine.plan.lean is None and engine.offloader is None
         return
-    assert engine.long_context is plan and engine.chunk == plan.loss_chunk_tokens
+    assert engine.plan.lean is plan and engine.chunk == plan.loss_chunk_tokens
     assert all(lean_layers.mlp_chunk_tokens(t) == plan.mlp_chunk_tokens for t in engine.templates.all())
     # A lean norm: slim_norms' forward on the PyTorch path; under the Triton kernel, the kernel's flag.
     lean = [getattr(m, "megatrain_lean", "forward" in m.__dict__)

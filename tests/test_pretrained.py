@@ -276,7 +276,7 @@ def moments(store) -> dict[str, torch.Tensor]:
 def parity(converted, tokenizer, splits):
     """One step, 2 rows of 96 tokens of real chat data, fp32, no clipping: ours and plain HF's."""
     from megatrain_cli.batch import MicroBatch
-    from megatrain_cli.engine.step import Engine
+    from tests.engines import make_engine
     from megatrain_cli.models.loader import build_store, load_hf_config
     from megatrain_cli.recipe import TrainConfig
     from tests.reference import param_groups, reference_model
@@ -312,7 +312,8 @@ def parity(converted, tokenizer, splits):
     _, no_pad_grads = hf_step(no_pad, optimize=False)
     del no_pad
 
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=4, loss_chunk_tokens=64)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=4, loss_chunk_tokens=64,
+                         overlap_optimizer=False)
     res = engine.step([MicroBatch(ids, labels)], PARITY_LR)
     engine.close()
     assert not res.skipped

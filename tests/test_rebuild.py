@@ -15,10 +15,10 @@ import torch
 
 from megatrain_cli.engine.plan.lean import HOST_MARGIN, GiB, choose_plan, plan_long_context, refusal
 from megatrain_cli.engine.schedule import build_schedule, fetch_order, transfers_per_layer
-from megatrain_cli.engine.step import Engine
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 STEPS, SEQ, BATCH = 2, 16, 2
@@ -38,8 +38,7 @@ def train(config, accum, plan, **engine_kwargs):
     store = build_store(config, torch.float32, seed=3)
     cfg = TrainConfig(steps=STEPS, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1, grad_accum=accum,
                       eps=1e-6)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=plan.checkpoint_interval,
-                    long_context=plan, **engine_kwargs)
+    engine = make_engine(store, cfg, device="cpu", lean=plan, overlap_optimizer=False, **engine_kwargs)
     seen = []
     engine.on_op = seen.append
     batches = random_batches(config.vocab_size, STEPS, accum, batch=BATCH, seq=SEQ, seed=5)
@@ -309,7 +308,7 @@ def test_training_on_a_short_host_rebuilds_and_matches_the_unstarved_run(monkeyp
         metrics = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
         runs[name] = (engines[0], log.getvalue(), metrics)
     starved, ample = runs["starved"], runs["ample"]
-    assert starved[0].long_context.dropped_checkpoints == (1,) and ample[0].long_context.dropped_checkpoints == ()
+    assert starved[0].plan.lean.dropped_checkpoints == (1,) and ample[0].plan.lean.dropped_checkpoints == ()
     assert any(op.kind == "rebuild" for op in starved[0].ops)
     assert "1 of 4 checkpoints recomputed from the one before" in starved[1]
     assert "recomputed" not in ample[1]
@@ -337,7 +336,7 @@ def _dist_rank(rank: int, world: int, init_file: str, out_dir: str) -> None:
                       grad_accum=DIST_ACCUM, eps=1e-6)
     # The plan is for a rank's micro-batches (one of the 2): its checkpoints hold one micro-batch each.
     plan = lean_plan(config, 1, offloaded=1, dropped=(1, 3))
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=1, long_context=plan, dist=ctx)
+    engine = make_engine(store, cfg, device="cpu", lean=plan, overlap_optimizer=False, dist=ctx)
     batches = random_batches(config.vocab_size, STEPS, DIST_ACCUM, batch=BATCH, seq=SEQ, seed=5)
     results = [engine.step(split_micro_batches(mbs, rank, world), lr_at(s, cfg, STEPS)) for s, mbs in
                enumerate(batches)]

@@ -18,6 +18,7 @@ from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import RecipeError, TrainConfig, load_recipe
 from megatrain_cli.store.tiles import HostStore
+from tests.engines import make_engine
 from tests.reference import random_batches, reference_model, reference_train, tiny_config
 from tests.test_parity import assert_same_params
 
@@ -34,9 +35,9 @@ def setup(dtype=torch.float32, layers=4, steps=STEPS, arch="LlamaForCausalLM", t
     return config, store, cfg, batches
 
 
-def run(store, cfg, batches, resident, first=0, total=STEPS, device="cpu", **kwargs):
-    engine = Engine(store, cfg, device=torch.device(device), checkpoint_interval=2, loss_chunk_tokens=7,
-                    resident_layers=resident, **kwargs)
+def run(store, cfg, batches, resident, first=0, total=STEPS, device="cpu", overlap_optimizer=False, **kwargs):
+    engine = make_engine(store, cfg, device=device, checkpoint_interval=2, loss_chunk_tokens=7,
+                         resident_layers=resident, overlap_optimizer=overlap_optimizer, kernels="torch", **kwargs)
     results = [engine.step(mbs, lr_at(first + s, cfg, total)) for s, mbs in enumerate(batches)]
     engine.close()  # synchronize: the resident layers' state comes home
     return engine, results
@@ -81,8 +82,8 @@ def test_resident_run_is_bit_identical_to_the_streamed_one_on_cpu(dtype, master)
 def test_host_tiles_are_stale_until_synchronize():
     _, store, cfg, batches = setup()
     before = store.tiles["layers.0"].master.clone()
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
-                    resident_layers=1)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=7, resident_layers=1,
+                         overlap_optimizer=False)
     engine.step(batches[0], lr_at(0, cfg, STEPS))
     assert torch.equal(store.tiles["layers.0"].master, before), "the host copy waits for synchronize"
     assert store.tiles["layers.0"].step == 0
@@ -95,8 +96,8 @@ def test_host_tiles_are_stale_until_synchronize():
 
 def test_a_skipped_step_leaves_resident_state_alone():
     _, store, cfg, batches = setup()
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
-                    resident_layers=2)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=7, resident_layers=2,
+                         overlap_optimizer=False)
     engine.step(batches[0], lr_at(0, cfg, STEPS))
     engine.synchronize()
     before = {s: getattr(store.tiles["layers.1"], s).clone() for s in SECTIONS}
@@ -121,8 +122,8 @@ def test_resume_with_resident_layers_is_exact(tmp_path):
     run(first, cfg, batches[:2], resident=2)
     path = save_checkpoint(first, tmp_path, step=2, trainer_state={"step": 2})
     _, resumed, cfg, batches = setup()
-    engine = Engine(resumed, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
-                    resident_layers=2)
+    engine = make_engine(resumed, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=7, resident_layers=2,
+                         overlap_optimizer=False)
     load_checkpoint(resumed, path)  # after the engine exists, as train does: the resident copy loads lazily
     engine.step(batches[2], lr_at(2, cfg, STEPS))
     engine.close()

@@ -44,13 +44,13 @@ def test_kept_blocks_skip_recompute():
 def test_the_engine_reports_each_op_of_its_schedule_in_order():
     import torch
 
-    from megatrain_cli.engine.step import Engine
     from megatrain_cli.models.loader import build_store
     from megatrain_cli.recipe import TrainConfig
+    from tests.engines import make_engine
     from tests.reference import random_batches, tiny_config
 
     store = build_store(tiny_config("Qwen2ForCausalLM", layers=4), torch.float32, seed=0)
-    engine = Engine(store, TrainConfig(lr=1e-3), device=torch.device("cpu"), checkpoint_interval=2)
+    engine = make_engine(store, TrainConfig(lr=1e-3), device="cpu", checkpoint_interval=2, overlap_optimizer=False)
     seen = []
     engine.on_op = seen.append
     (mbs,) = random_batches(store.adapter.vocab_size, 1, 1, batch=1, seq=8, seed=0)

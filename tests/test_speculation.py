@@ -15,6 +15,7 @@ from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import HostAdamW, lr_at
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
 
 STEPS, ACCUM = 3, 2
@@ -35,8 +36,8 @@ def train(max_grad_norm, *, overlap, speculate=True, steps=STEPS, tied=False, fi
     cfg = TrainConfig(steps=steps, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm, warmup_steps=1,
                       grad_accum=ACCUM, eps=1e-6)
     batches = random_batches(config.vocab_size, steps, ACCUM, batch=2, seq=16, seed=5)
-    engine = Engine(store, cfg, device=torch.device("cpu"), checkpoint_interval=2, loss_chunk_tokens=7,
-                    overlap_optimizer=overlap, speculate=speculate, **engine_kwargs)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=7,
+                         overlap_optimizer=overlap, speculate_optimizer=speculate, **engine_kwargs)
     if overlap and first_step_speculates:
         engine.worker.last_clipped = False  # as if the step before had not been clipped
     results = [engine.step(mbs, lr_at(s, cfg, steps)) for s, mbs in enumerate(batches)]
@@ -254,9 +255,18 @@ def test_waiting_for_a_tiles_state_releases_held_moments():
 
 
 def test_the_engine_makes_the_gradient_lander_wait_for_deferred_moments():
+    from megatrain_cli.engine.transfer.updates import NO_UPDATES, HostUpdates
+
     store = make_store()
-    engine = Engine(store, TrainConfig(lr=1e-3), device=torch.device("cpu"), overlap_optimizer=True)
-    try:
-        assert engine.sink.before_write == engine.worker.wait_state
+    engine = make_engine(store, TrainConfig(lr=1e-3), device="cpu", checkpoint_interval=1, overlap_optimizer=True)
+    try:  # the sink calls its updates' wait_state before it writes a tile's gradient (engine/transfer/updates.py)
+        assert engine.sink.updates is engine.worker and engine.sink.updates.wait_state == engine.worker.wait_state
+        assert engine.streamer.updates is engine.worker and isinstance(engine.worker, HostUpdates)
     finally:
         engine.close()
+    plain = make_engine(store, TrainConfig(lr=1e-3), device="cpu", checkpoint_interval=1, overlap_optimizer=False)
+    try:  # no thread beside the step: nothing to wait for
+        assert plain.worker is None and plain.sink.updates is plain.streamer.updates is NO_UPDATES
+        assert isinstance(NO_UPDATES, HostUpdates)
+    finally:
+        plain.close()

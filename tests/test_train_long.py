@@ -157,7 +157,7 @@ def test_long_context_step_offloads_and_writes_checkpoint_and_final(long_run):
     out, plan, engine, log = long_run
     assert plan.mlp_chunk_tokens is None and plan.checkpoint_interval == 1 and plan.offloaded_checkpoints >= 1
     assert f"long-context path: {plan.offloaded_checkpoints} of 4 checkpoints in host memory" in log
-    assert engine.long_context.offloaded_checkpoints == plan.offloaded_checkpoints
+    assert engine.plan.lean.offloaded_checkpoints == plan.offloaded_checkpoints
     assert engine.interval == 1 and engine.keep_blocks == frozenset()  # the recipe's interval is 2
     assert engine.chunk == plan.loss_chunk_tokens
     # Every offloaded checkpoint went out and came back, for each of the 3 micro-batches (fp32, hidden 128).

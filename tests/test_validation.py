@@ -19,6 +19,7 @@ from megatrain_cli.engine.validate import forward_order, validation_loss
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.optim.host_adamw import lr_at
 from megatrain_cli.recipe import TrainConfig
+from tests.engines import make_engine
 from tests.reference import random_batches, reference_model, tiny_config
 
 CPU = torch.device("cpu")
@@ -27,8 +28,8 @@ CFG = TrainConfig(steps=3, lr=1e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_
 
 def engine_for(config, *, interval: int = 2, worker: bool = False, resident: int = 0) -> Engine:
     store = build_store(config, torch.float32, seed=3)
-    return Engine(store, CFG, device=CPU, checkpoint_interval=interval, loss_chunk_tokens=7,
-                  overlap_optimizer=worker, resident_layers=resident)
+    return make_engine(store, CFG, device=CPU, checkpoint_interval=interval, loss_chunk_tokens=7,
+                       overlap_optimizer=worker, resident_layers=resident)
 
 
 def train(engine: Engine, steps, validate_after=(), held_out=None) -> list[float]:

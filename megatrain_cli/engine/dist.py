@@ -43,7 +43,6 @@ class DistContext:
     cpu_group: object = None  # host-tensor collectives (gloo); None: the default group
     # NCCL only: the weight all-gathers of the overlapped path (transfer/sharded_cuda.py), issued by its packer thread
     weight_group: object = None
-    overlap: bool = True  # on CUDA, the overlapped path; False: the synchronous one (this module)
     # Capability flags, found out on first use (see all_gather / reduce_scatter).
     _gather_tensor_ok: bool | None = field(default=None, repr=False)
     _scatter_tensor_ok: bool | None = field(default=None, repr=False)

@@ -22,7 +22,7 @@ from torch import nn
 from megatrain_cli.engine import lean_layers
 
 LAYER_KINDS = ("rms_norm", "swiglu", "rope")  # what install_kernels can put into a template
-KERNEL_CHOICES = ("auto", "torch", "triton")  # Engine(kernels=...), the recipe's engine.kernels
+KERNEL_CHOICES = ("auto", "torch", "triton")  # the recipe's engine.kernels
 
 _SILU_ACTS = ("silu", "swish")
 _ROPE_NAME = "apply_rotary_pos_emb"

@@ -24,8 +24,9 @@ import torch
 from megatrain_cli.batch import MicroBatch
 from megatrain_cli.engine.plan.lean import LeanPlan
 from megatrain_cli.engine.plan.probe import LayerTiming
+from megatrain_cli.engine.plan.step_plan import StepPlan
 from megatrain_cli.engine.step import Engine
-from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.recipe import EngineConfig, TrainConfig
 
 
 def cut_config(adapter):
@@ -86,10 +87,14 @@ def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.
     config, counts = cut_config(adapter)
     cuda = device.type == "cuda"
     store = build_store(config, dtype, seed=seed)
-    # The recipe's lean pieces, none of its checkpoint placement (the cut model has its own few checkpoints).
-    plan = dataclasses.replace(lean, offloaded_checkpoints=0, dropped_checkpoints=()) if lean is not None else None
-    engine = Engine(store, TrainConfig(), device=device, checkpoint_interval=1, loss_chunk_tokens=loss_chunk_tokens,
-                    kernels=kernels, long_context=plan, resident_layers=len(counts) if cuda else 0, grad_slabs=2)
+    # The recipe's lean pieces, none of its checkpoint placement (the cut model has its own few checkpoints);
+    # interval 1 and its loss chunk, as the lean plan has them. The memory figures are the planner's: none here.
+    lean = dataclasses.replace(lean, offloaded_checkpoints=0, dropped_checkpoints=()) if lean is not None else None
+    plan = StepPlan(memory=None, checkpoint_interval=1, lean=lean, resident_layers=len(counts) if cuda else 0,
+                    loss_chunk_tokens=lean.loss_chunk_tokens if lean is not None else loss_chunk_tokens)
+    # Only forward_backward runs: no optimizer thread; two slabs are enough for the few layers' gradients.
+    settings = EngineConfig(kernels=kernels, overlap_optimizer=False, grad_slabs=2)
+    engine = Engine(store, plan, settings, TrainConfig(), device=device)
     clock = OpClock(engine)
     vocab = engine.adapter.vocab_size
     samples: dict[str, list[float]] = {}

@@ -232,7 +232,7 @@ def slim_norms(layer: nn.Module) -> int:
 
 _BACKEND_NAMES = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
                   "math": "MATH"}
-SDPA_BACKENDS = ("auto", *_BACKEND_NAMES)  # what sdpa_backend_context (and Engine(sdpa=...)) accepts
+SDPA_BACKENDS = ("auto", *_BACKEND_NAMES)  # what sdpa_backend_context (and the recipe's engine.sdpa) accepts
 
 
 def best_sdpa_backends(device: torch.device | None = None) -> list:

@@ -26,138 +26,110 @@ from megatrain_cli.engine.schedule import Op, blocks, build_schedule, fetch_orde
 from megatrain_cli.engine.templates import TemplatePool, WeightRedirect, run_bound
 from megatrain_cli.engine.lean_layers import SDPA_BACKENDS, sdpa_backend_context, slim_norms, chunk_mlp
 from megatrain_cli.engine.transfer import make_transfers
+from megatrain_cli.engine.transfer.updates import NO_UPDATES
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
 from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
-from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.sharded import ShardedHostStore
 from megatrain_cli.store.tiles import HostStore
 
-if TYPE_CHECKING:  # torch.distributed is imported only by a distributed engine
+if TYPE_CHECKING:  # annotations only: torch.distributed is imported only by a distributed engine
     from megatrain_cli.engine.dist import DistContext
+    from megatrain_cli.engine.plan.step_plan import StepPlan
+    from megatrain_cli.recipe import EngineConfig, TrainConfig
 
 
 class Engine:
-    """Drives plain HF layer modules over a host store, one streamed layer at a time.
-
-    The pieces it composes: the schedule (which layer when), the templates (the HF layers without
-    weights, bound to the streamed buffer), the transfers (engine/transfer/: weights in, gradients out)
-    and the host optimizer (optim/: AdamW in a background thread on CUDA, updates applied on read).
-    Options change how, never what: every combination computes the same step.
-
-    `long_context` (a lean plan, engine/plan/lean.py): the MLP chunked over the sequence, lean RMSNorms,
-    the plan's loss chunk and activation checkpoints offloaded to pinned host memory, or dropped and
-    rebuilt in the backward (engine/rebuild.py), as the plan says.
-    `sdpa` restricts SDPA's backends on CUDA ('auto' = cuDNN/flash/efficient, never math, on the lean
-    path only). `kernels` 'triton' swaps the Triton RMSNorm, SiLU-product and RoPE into the templates and
-    fuses the head's linear + cross-entropy ('auto' = triton on CUDA). `host_adamw`, `defer_moments`,
-    `update_on_read`, `packer_threads`, `adamw_threads`: the host optimizer's code and threads
-    (optim/host_adamw.py, optim/worker.py). `dist` (engine/dist.py) makes this engine one data-parallel
-    rank over its ShardedHostStore: layers all-gathered on the devices, gradients reduce-scattered,
-    loss and gradient norm global. `resident_layers`: the first N layers, and with them the head, keep their
-    optimizer state on the device and are updated there (engine/resident.py; one process only).
+    """Drives plain HF layer modules over a host store, one streamed layer at a time: the schedule, the
+    templates, the transfers (engine/transfer/) and the host optimizer (optim/) composed as
+    docs/architecture.md ("The step") says. Built from how the step runs (`plan`: interval, kept blocks,
+    loss chunk, lean plan, resident layers) and the recipe's `settings`, taken as given; what a run takes
+    of them on its machine is train/setup.py's build_engine's. `dist` (engine/dist.py): one data-parallel
+    rank over its ShardedHostStore. Options change how, never what: every combination computes the same step.
     """
 
-    def __init__(self, store: HostStore, train: TrainConfig, *, device: torch.device,
-                 checkpoint_interval: int = 1, loss_chunk_tokens: int = 4096,
-                 keep_blocks: frozenset[int] = frozenset(), layer_slots: int = 2, grad_slabs: int = 12,
-                 double_buffer: bool = True, overlap_optimizer: bool = False, speculate: bool = True,
-                 long_context: LeanPlan | None = None, sdpa: str = "auto", kernels: str = "torch",
-                 host_adamw: str = "auto", defer_moments: bool = True, update_on_read: bool = True,
-                 packer_threads: int | None = None, adamw_threads: int | None = None,
-                 resident_layers: int = 0, dist: DistContext | None = None):
-        if long_context is not None and long_context.checkpoint_interval != checkpoint_interval:
-            raise ValueError(f"the long-context plan is for checkpoint_interval {long_context.checkpoint_interval}, "
-                             f"the engine was given {checkpoint_interval}: pass "
-                             f"checkpoint_interval=plan.checkpoint_interval (its memory terms assume it)")
-        if sdpa not in SDPA_BACKENDS:
-            raise ValueError(f"unknown SDPA backend {sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
+    def __init__(self, store: HostStore, plan: StepPlan, settings: EngineConfig, train: TrainConfig, *,
+                 device: torch.device, dist: DistContext | None = None):
+        if settings.sdpa not in SDPA_BACKENDS:
+            raise ValueError(f"unknown SDPA backend {settings.sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
         if dist is not None and not isinstance(store, ShardedHostStore):
             raise ValueError("a distributed engine needs this rank's ShardedHostStore (store/sharded.py)")
         if dist is not None and (store.rank, store.world) != (dist.rank, dist.world):
             raise ValueError(f"the store holds shard {store.rank} of {store.world}, this is rank {dist.rank} "
                              f"of {dist.world}")
-        self.dist = dist
-        self.kernels = kernel_patch.resolve(kernels, device)  # 'torch' or 'triton'
+        if plan.resident_layers and dist is not None:
+            raise ValueError("resident_layers needs one process: a data-parallel rank holds a shard of each layer")
+        self.plan, self.settings, self.dist = plan, settings, dist
+        self.kernels = kernel_patch.resolve(settings.kernels, device)  # 'torch' or 'triton'
         self.store, self.train_cfg, self.device = store, train, device
         self.adapter = store.adapter
         self.dtype = store.compute_dtype
-        self.interval = checkpoint_interval
-        self.chunk = loss_chunk_tokens
+        self.interval, self.chunk, self.keep_blocks = plan.checkpoint_interval, plan.loss_chunk_tokens, plan.keep_blocks
         self.templates = TemplatePool(self.adapter)
         self.moe, self.router = moe_setup(self.adapter.config, self.templates, device)  # None, None if dense
         self.norm_template = self.adapter.make_norm_template()
         self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
-        self.optimizer = HostAdamW(train, kernel=host_adamw, defer_moments=defer_moments)
-        if resident_layers and dist is not None:
-            raise ValueError("resident_layers needs one process: a data-parallel rank holds a shard of each layer")
-        names = store.layer_names[:max(0, resident_layers)]  # none: an empty set, every tile streamed
+        self.optimizer = HostAdamW(train, kernel=settings.host_adamw, defer_moments=settings.defer_moments)
+        names = store.layer_names[:max(0, plan.resident_layers)]  # none: an empty set, every tile streamed
         self.resident = ResidentLayers(store, [*names, "head"] if names else [], device, self.dtype, train)
         self.worker = None
         self.update_on_read = False
-        if overlap_optimizer:
-            self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
-                                          max_grad_norm=train.max_grad_norm, speculate=speculate,
-                                          threads=adamw_threads)
-        before_read = self.worker.wait if self.worker else None
-        self.streamer, self.sink = make_transfers(store, device, self.dtype, dist=dist, layer_slots=layer_slots,
-                                                  double_buffer=double_buffer, grad_slabs=grad_slabs,
-                                                  before_read=before_read, packer_threads=packer_threads)
-        if self.worker is not None:
-            self.sink.on_landed = self.worker.landed  # AdamW starts on a tile as soon as its gradient lands
-            self.sink.before_write = self.worker.wait_state  # deferred moments read the old gradient
+        if settings.overlap_optimizer:
             # A clipped step's weights are updated by the packer as the next forward streams them (optim/
             # worker.py: update on read): the host-cast streamers of one process, bf16 compute, C++ kernel.
-            self.update_on_read = (update_on_read and self.optimizer.defer_moments and self.dtype == torch.bfloat16
-                                   and dist is None)
-            if self.update_on_read:
-                self.worker.update_on_read = frozenset([*store.layer_names, "head"])
-                self.streamer.claim = self.worker.claim
+            self.update_on_read = (settings.update_on_read and self.optimizer.defer_moments
+                                   and self.dtype == torch.bfloat16 and dist is None)
+            held = frozenset([*store.layer_names, "head"]) if self.update_on_read else frozenset()
+            self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
+                                          max_grad_norm=train.max_grad_norm, speculate=settings.speculate_optimizer,
+                                          threads=settings.adamw_threads, update_on_read=held)
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass
         # Op | None -> None: None when a step's ops begin, then each op once its host work is issued (a
         # per-layer observer: the long-context bench's LayerClock). Unset on the hot path: one attribute check per op.
         self.on_op = None
-        self.redirect = WeightRedirect(self.streamer.resident)
-        self.streamer.on_bind = self.redirect.bind
-        dropped = frozenset(long_context.dropped_checkpoints) if long_context is not None else frozenset()
-        self.ops = build_schedule(self.adapter.num_layers, checkpoint_interval, keep_blocks, dropped)
-        self.keep_blocks = keep_blocks
-        self.long_context, self.sdpa = long_context, sdpa
+        # The backward's saved tensors name a streamed weight by its tile; the streamer says where it is now.
+        self.redirect = WeightRedirect(lambda tile: self.streamer.resident(tile))
+        updates = self.worker if self.worker is not None else NO_UPDATES
+        self.streamer, self.sink = make_transfers(store, device, self.dtype, settings, updates, self.redirect.bind,
+                                                  dist=dist)
+        lean = plan.lean
+        dropped = frozenset(lean.dropped_checkpoints) if lean is not None else frozenset()
+        self.ops = build_schedule(self.adapter.num_layers, self.interval, self.keep_blocks, dropped)
         self.offloader: CheckpointOffloader | None = None
-        if long_context is not None:
-            self._install_long_context(long_context)
-        self.checkpoints = StepCheckpoints(self.ops, self.adapter.num_layers, checkpoint_interval, keep_blocks,
+        if lean is not None:
+            self._install_lean(lean)
+        self.checkpoints = StepCheckpoints(self.ops, self.adapter.num_layers, self.interval, self.keep_blocks,
                                            self.offloader)
         self._fused_ce = None
-        if self.kernels == "triton":  # after the long-context pieces: see kernel_patch's precedence
+        if self.kernels == "triton":  # after the lean plan's pieces: see kernel_patch's precedence
             for template in (*self.templates.all(), self.norm_template):
                 kernel_patch.install_kernels(template)
             if self.adapter.logit_softcap is None:  # the fused kernel has no softcap: Gemma's head runs chunked
                 self._fused_ce = kernel_patch.fused_cross_entropy()
 
-    def _install_long_context(self, plan: LeanPlan) -> None:
-        if plan.mlp_chunk_tokens:
+    def _install_lean(self, lean: LeanPlan) -> None:
+        if lean.mlp_chunk_tokens:
             for template in self.templates.all():
                 if self.moe is None or not routers(template, self.moe):  # routed experts run whole
-                    chunk_mlp(template, plan.mlp_chunk_tokens)
-        if plan.lean_norms:
+                    chunk_mlp(template, lean.mlp_chunk_tokens)
+        if lean.lean_norms:
             for template in self.templates.all():
                 slim_norms(template)
             slim_norms(self.norm_template)
-        self.chunk = plan.loss_chunk_tokens  # the plan's head term assumes its chunk
-        self.offloader = CheckpointOffloader(self.device, frozenset(plan.offload_keys))
+        self.offloader = CheckpointOffloader(self.device, frozenset(lean.offload_keys))
 
     def reserve_checkpoint_buffers(self, micro_batch_shapes: list[tuple[int, int]]) -> int:
         """Pin the offloaded checkpoints' host buffers before the first step (micro-batch [B, T] shapes of
-        the steps to come); returns the bytes pinned. Without a long-context plan, or on CPU: 0."""
+        the steps to come); returns the bytes pinned. Without a lean plan, or on CPU: 0."""
         like = [((b, t, self.adapter.hidden_size), self.dtype) for b, t in micro_batch_shapes]
         return self.checkpoints.reserve(like)
 
     def _sdpa_context(self):
-        if self.device.type != "cuda" or (self.long_context is None and self.sdpa == "auto"):
+        sdpa = self.settings.sdpa
+        if self.device.type != "cuda" or (self.plan.lean is None and sdpa == "auto"):
             return contextlib.nullcontext()
-        return sdpa_backend_context(self.sdpa, self.device)
+        return sdpa_backend_context(sdpa, self.device)
 
     # ------------------------------------------------------------ helpers
     def grad_zeros(self, tile: str) -> torch.Tensor:
@@ -220,8 +192,8 @@ class Engine:
                    if i not in self.keep_blocks) + sum(op.kind == "rebuild" for op in self.ops)
 
     def mlp_chunk_tokens(self) -> int | None:
-        """Tokens per MLP chunk when the long-context plan tiles the MLP (its backward redoes gate / up)."""
-        return self.long_context.mlp_chunk_tokens if self.long_context is not None else None
+        """Tokens per MLP chunk when the lean plan chunks the MLP (its backward redoes gate / up)."""
+        return self.plan.lean.mlp_chunk_tokens if self.plan.lean is not None else None
 
     def update_order(self) -> list[str]:
         """The order the next forward reads the host-updated tiles: embedding rows, layers, head."""
@@ -273,7 +245,7 @@ class Engine:
         if self.dist is not None:
             self.sink.reset()
         x = step_inputs(mbs, self.store, self.streamer, self.layer_inputs, dev, self.dtype, self.dist,
-                        check_mask=self.long_context is not None)
+                        check_mask=self.plan.lean is not None)
         ids_all, uniq, inv_dev, h, ctx, labels, offsets = x.ids, x.uniq, x.inverse, x.h, x.calls, x.labels, x.offsets
         n_loss_tokens = x.loss_tokens
         if self.router is not None:

@@ -62,7 +62,7 @@ def _pass(engine, mbs: list[MicroBatch]) -> tuple[float, int]:
     streamer = engine.streamer
     streamer.begin_step([t for t in forward_order(engine.ops) if t not in engine.resident])
     x = step_inputs(mbs, engine.store, streamer, engine.layer_inputs, engine.device, engine.dtype, engine.dist,
-                    check_mask=engine.long_context is not None)
+                    check_mask=engine.plan.lean is not None)
     h, calls = x.h, x.calls
     with engine._sdpa_context():
         for i in range(engine.adapter.num_layers):

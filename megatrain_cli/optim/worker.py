@@ -1,58 +1,14 @@
-"""Host AdamW in a background thread, tile by tile, overlapping the GPU.
+"""Host AdamW in a background thread, tile by tile, overlapping the GPU: speculate (a tile updated with clip
+coefficient 1 as its gradient lands, then corrected or rolled back by the step's verdict), defer (after a
+clipped step: updates in the order the next forward reads), deferred moments and updates applied on read.
+What each does and costs: docs/architecture.md ("Clipping and the optimizer"). `wait`, `claim`,
+`wait_state` and `landed` are the transfer layer's HostUpdates (engine/transfer/updates.py), met by these
+methods alone: the optimizer imports nothing of the engine.
 
-Exact global-norm clipping needs the norm of ALL gradients before ANY weight changes, and the norm
-is known only when the backward is done. Two ways around the wait, both exact:
-
-  speculate  As each tile's gradients land (the backward is still running), update it with clip
-             coefficient 1 — the right answer whenever the gradient will not be clipped. The GPU
-             sends each tile's squared norm with its gradients, so the host keeps a running sum;
-             once that sum alone exceeds max_grad_norm, clipping is certain and speculation stops
-             for the rest of the step. When the step's verdict (`resolve`) says clip coefficient
-             1 and finite, every speculative update stands as it is (bit-identical to updating
-             afterwards). Otherwise each speculated tile is corrected to the true coefficient
-             (HostAdamW.correct, exact to fp32 rounding; one pass over its state, the cost of
-             the update it replaces), or corrected when the step is skipped for a non-finite
-             gradient. So a miss costs about what deferring would have, and a hit saves it.
-             A step right after a clipped one does not speculate at all (clipping tends to
-             persist, and a wrong speculation costs a correction after the verdict, on the
-             critical path: a second pass over the tile's state where the next forward waits).
-             The first step does not speculate either; the first unclipped verdict turns
-             speculation on. With bf16 master weights (train.master_weights) nothing speculates:
-             the speculative update's weight is rounded to bf16, so a correction could not be
-             exact; every update is deferred instead (the cost: no update overlaps the backward).
-  defer      Tiles not speculated wait for the verdict; then they run in the order the NEXT
-             forward reads them (embedding, layers 0.., head), and that forward waits only for
-             the tile it is about to stream (`wait(tile)`).
-
-  moments    With HostAdamW.defer_moments (the C++ kernel), a deferred update stores only the new
-             weights (reads p, m, v, g; writes p: 18 of the update's 26 bytes/param of host memory
-             traffic, where the next forward waits) and queues a 'moments' job that stores m and v
-             later, in the order the next backward lands gradients (head first), and not before the
-             engine says the next forward has all its weights (`release_moments`, at its head): in
-             the forward the host memory bandwidth is the critical resource (the weights passes and
-             the packer's casts share it), in the backward there is room; moments that ran as soon
-             as their weights were done would take bandwidth from the forward instead. `wait(tile)`
-             waits for the weights only; `wait_state(tile)` for everything, moments included: the
-             gradient lander calls it before it replaces a tile's gradient (the moments pass still
-             reads it), and `drain` before anything reads moments (checkpoints). Bit-identical to
-             the single-pass update; it costs one more pass over m, v, g, off the critical path.
-
-  update on read  With `update_on_read` naming tiles (the engine sets it where the streamer supports
-             it), a deferred update whose weights the next forward will read is held for that reader
-             instead of run by this thread: the packer `claim`s it (an UpdateOnRead) when it streams
-             the tile and applies it chunk by chunk, storing the new fp32 weights and casting them
-             from registers into pinned staging (HostAdamW.update_weights_span). The forward's host
-             traffic per parameter drops from 18 (weights pass) + 6 (the packer's cast: read fp32,
-             write bf16) to 20 bytes, and the update runs exactly when its weights are needed instead
-             of competing with the cast of the tile before it. The moments pass follows as above.
-             Only the tiles the engine names are held (the streamed ones: not the embedding, whose
-             rows are read on the host, so its update starts at the verdict); a held update goes back
-             to this thread as soon as anyone `wait`s for the tile or drains. Bit-identical to the
-             weights pass + cast.
-
-Jobs carry their step's context, so step t's deferred updates can still be running while step
-t+1's forward begins. One worker thread (AdamW is memory-bound; torch's fused kernel already uses
-all intra-op threads), so a tile's correction always follows its speculative update.
+With bf16 masters nothing speculates: a rounded weight cannot be corrected exactly. Jobs carry their step's
+context, so step t's deferred updates can still run while step t+1's forward begins. One worker thread
+(AdamW is memory-bound; torch's fused kernel already uses all intra-op threads), so a tile's correction
+always follows its speculative update.
 """
 
 from __future__ import annotations
@@ -120,7 +76,7 @@ class UpdateOnRead:
 class OptimizerWorker:
     def __init__(self, optimizer: HostAdamW, store: HostStore, *, forward_order: list[str],
                  max_grad_norm: float | None, speculate: bool = True, assume_clipped: bool = True,
-                 threads: int | None = None):
+                 threads: int | None = None, update_on_read: frozenset[str] = frozenset()):
         if threads is not None and threads < 1:  # raised here, not in the worker thread's first job
             raise ValueError(f"OptimizerWorker threads must be >= 1 (None: torch's default), got {threads}")
         self.optimizer, self.store = optimizer, store
@@ -144,9 +100,9 @@ class OptimizerWorker:
         self._moments_through = 0  # deferred moments of steps <= this index may run
         self._seq = 0
         self._closed = False
-        # Set by the engine: the tiles whose deferred updates are held for the streamer's claim (update on
-        # read: the ones it streams in the next forward; not the embedding, whose rows are read on the host).
-        self.update_on_read: frozenset[str] = frozenset()
+        # The tiles whose deferred updates are held for the streamer's claim (update on read: the ones it
+        # streams in the next forward; not the embedding, whose rows are read on the host).
+        self.update_on_read = update_on_read
         self.waited_s = 0.0  # host seconds any thread spent blocked in wait(): the optimizer behind the GPU
         # The previous verdict: clipped or skipped. Before any verdict, assume clipped: the first steps
         # of a run are the likeliest to clip, and a one-step bench would otherwise time a correction.
@@ -260,7 +216,9 @@ class OptimizerWorker:
 
     # ------------------------------------------------------------ gradient-lander thread
     def landed(self, tile: str, sq_norm: float) -> None:
-        """`tile`'s gradient for the current step is complete in the host store."""
+        """`tile`'s gradient for the current step is complete in the host store; `sq_norm` its squared norm
+        (a float or a one-element tensor)."""
+        sq_norm = float(sq_norm)
         with self._cv:
             ctx = self._ctx
             ctx.partial_sq += sq_norm

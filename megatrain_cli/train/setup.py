@@ -4,6 +4,7 @@ build through here, so a setting means the same in both and reaches the engine i
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -77,18 +78,13 @@ def lean_allocator(device: torch.device) -> str:
 
 
 def build_engine(r: Recipe, store, plan: StepPlan, device: torch.device, dist=None):
-    """The engine for `store` as `plan` says (interval, kept blocks, loss chunk, the lean plan) and the
-    recipe's engine settings. The host optimizer runs in its background thread on CUDA only: on the CPU
-    it would compete with the compute for the same cores."""
+    """The engine for `store` as `plan` and the recipe's engine settings say. What a run takes of them on
+    this machine is decided here, once, and nowhere else: the Engine runs what it is given (tests drive the
+    host optimizer's thread on the CPU)."""
     from megatrain_cli.engine.step import Engine
 
-    e = r.engine
-    if dist is not None:
-        dist.overlap = e.overlap_ranks
-    return Engine(store, r.train, device=device, checkpoint_interval=plan.checkpoint_interval,
-                  loss_chunk_tokens=plan.loss_chunk_tokens, keep_blocks=plan.keep_blocks, long_context=plan.lean,
-                  layer_slots=e.layer_slots, grad_slabs=e.grad_slabs, double_buffer=e.double_buffer,
-                  overlap_optimizer=e.overlap_optimizer and device.type == "cuda", speculate=e.speculate_optimizer,
-                  sdpa=e.sdpa, kernels=e.kernels, host_adamw=e.host_adamw, defer_moments=e.defer_moments,
-                  update_on_read=e.update_on_read, packer_threads=e.packer_threads, adamw_threads=e.adamw_threads,
-                  resident_layers=plan.resident_layers if dist is None else 0, dist=dist)
+    # The host optimizer's thread on CUDA only: on the CPU it would compete with the compute for the same cores.
+    settings = dataclasses.replace(r.engine, overlap_optimizer=r.engine.overlap_optimizer and device.type == "cuda")
+    if dist is not None:  # a data-parallel rank holds a shard of each layer: none stays resident on its device
+        plan = dataclasses.replace(plan, resident_layers=0)
+    return Engine(store, plan, settings, r.train, device=device, dist=dist)

@@ -6,31 +6,42 @@ pipeline, or their data-parallel versions over a sharded store. It is the one pl
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from megatrain_cli.engine.transfer.updates import HostUpdates
 
-def make_transfers(store, device: torch.device, dtype: torch.dtype, *, dist=None, layer_slots: int = 2,
-                   double_buffer: bool = True, grad_slabs: int = 12, before_read=None,
-                   packer_threads: int | None = None):
-    """(weight streamer, gradient sink) for `store` on `device`; `dist` (a DistContext) makes them one rank's."""
-    if dist is not None and device.type == "cuda" and dist.overlap:
+if TYPE_CHECKING:
+    from megatrain_cli.recipe import EngineConfig
+
+
+def make_transfers(store, device: torch.device, dtype: torch.dtype, settings: EngineConfig, updates: HostUpdates,
+                   on_bind, *, dist=None):
+    """(weight streamer, gradient sink) for `store` on `device`, sized by the recipe's engine `settings`
+    (layer_slots, double_buffer, grad_slabs, packer_threads, overlap_ranks). `updates`: the host optimizer
+    beside the step (transfer/updates.py); `on_bind(tile, flat)`: told of every tile bound to a device
+    buffer. `dist` (a DistContext) makes them one rank's."""
+    hooks = dict(updates=updates, on_bind=on_bind)
+    if dist is not None and device.type == "cuda" and settings.overlap_ranks:
         from megatrain_cli.engine.transfer.sharded_cuda import DistCudaGradSink, DistCudaStreamer
 
-        streamer = DistCudaStreamer(store, device, dtype, dist, layer_slots=layer_slots, double_buffer=double_buffer,
-                                    before_read=before_read, packer_threads=packer_threads)
-        return streamer, DistCudaGradSink(store, streamer, dist, slabs=grad_slabs)
-    if dist is not None:  # gloo on the CPU, or the synchronous reference path asked for (dist.overlap False)
+        streamer = DistCudaStreamer(store, device, dtype, dist, layer_slots=settings.layer_slots,
+                                    double_buffer=settings.double_buffer, packer_threads=settings.packer_threads,
+                                    **hooks)
+        return streamer, DistCudaGradSink(store, streamer, dist, updates, slabs=settings.grad_slabs)
+    if dist is not None:  # gloo on the CPU, or the synchronous reference path asked for (overlap_ranks false)
         from megatrain_cli.engine.transfer.sharded import DistGradSink, DistStreamer
 
-        streamer = DistStreamer(store, device, dtype, dist, layer_slots=layer_slots, before_read=before_read)
-        return streamer, DistGradSink(store, streamer, dist)
+        streamer = DistStreamer(store, device, dtype, dist, layer_slots=settings.layer_slots, **hooks)
+        return streamer, DistGradSink(store, streamer, dist, updates)
     if device.type == "cuda":
         from megatrain_cli.engine.transfer.cuda import CudaGradSink, CudaStreamer
 
-        streamer = CudaStreamer(store, device, dtype, layer_slots=layer_slots, double_buffer=double_buffer,
-                                before_read=before_read, packer_threads=packer_threads)
-        return streamer, CudaGradSink(store, streamer.stats, device, slabs=grad_slabs)
+        streamer = CudaStreamer(store, device, dtype, layer_slots=settings.layer_slots,
+                                double_buffer=settings.double_buffer, packer_threads=settings.packer_threads, **hooks)
+        return streamer, CudaGradSink(store, streamer.stats, device, updates, slabs=settings.grad_slabs)
     from megatrain_cli.engine.transfer.reference import GradSink, WeightStreamer
 
-    streamer = WeightStreamer(store, device, dtype, layer_slots=layer_slots, before_read=before_read)
-    return streamer, GradSink(store, streamer.stats)
+    streamer = WeightStreamer(store, device, dtype, layer_slots=settings.layer_slots, **hooks)
+    return streamer, GradSink(store, streamer.stats, updates)

@@ -31,6 +31,7 @@ import torch
 
 from megatrain_cli.engine.transfer.reference import GradSink
 from megatrain_cli.engine.transfer.slots import Slot, StreamerBase, TransferStats, WholeTiles, transfer_chunk
+from megatrain_cli.engine.transfer.updates import HostUpdates
 from megatrain_cli.machine import limit_this_thread
 from megatrain_cli.store.tiles import HostStore
 
@@ -41,11 +42,11 @@ class CudaStreamer(StreamerBase):
     the next tile in fetch order. `place`: slots.WholeTiles unless given (sharded_cuda.DistCudaStreamer's
     all-gathers on a side stream)."""
 
-    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, *, layer_slots: int = 2,
-                 staging_numel: int | None = None, double_buffer: bool = True, before_read=None,
-                 packer_threads: int | None = None, place=None):
+    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, *, layer_slots: int,
+                 double_buffer: bool, packer_threads: int | None, updates: HostUpdates, on_bind,
+                 staging_numel: int | None = None, place=None):
         place = place if place is not None else WholeTiles(store)
-        super().__init__(store, device, dtype, place, layer_slots=layer_slots, before_read=before_read,
+        super().__init__(store, device, dtype, place, layer_slots=layer_slots, updates=updates, on_bind=on_bind,
                          events=True)  # the slots get their Weights-Ready / Buffer-Free events
         self.double_buffer = double_buffer
         # Two pinned staging buffers of one chunk each: the packer fills one while the other is in flight.
@@ -174,8 +175,7 @@ class CudaStreamer(StreamerBase):
         after.record(self.compute)
         self._stalls.append((before, after))
         flat = slot.flat(self.store.layouts[tile].numel)
-        if self.on_bind is not None:
-            self.on_bind(tile, flat)
+        self.on_bind(tile, flat)
         self._prefetch_next(tile)
         return flat
 
@@ -194,9 +194,9 @@ class CudaStreamer(StreamerBase):
 class CudaGradSink(GradSink):
     """K pinned slabs between the device and the host tiles; a host thread lands them."""
 
-    def __init__(self, store: HostStore, stats: TransferStats, device: torch.device, *, slabs: int = 12,
-                 slab_numel: int | None = None, lander_sets_device: bool = False):
-        super().__init__(store, stats)
+    def __init__(self, store: HostStore, stats: TransferStats, device: torch.device, updates: HostUpdates, *,
+                 slabs: int, slab_numel: int | None = None, lander_sets_device: bool = False):
+        super().__init__(store, stats, updates)
         self.device = device
         # A new thread starts on device 0: the lander selects `device` first when asked (one rank per GPU).
         self._lander_sets_device = lander_sets_device
@@ -229,11 +229,11 @@ class CudaGradSink(GradSink):
                 event.synchronize()  # Slab-Full: this slab's D2H is done
                 # The previous step's deferred moments may still read this gradient: a host wait here
                 # holds this slab (and, if it lasts, the compute stream once all K are in flight).
-                self._await_tile(tile)
+                self.updates.wait_state(tile)
                 dst.copy_(self.slabs[slab_index][:n])
                 if last is not None:  # the tile's final chunk: its gradient is complete on the host
                     tile, sq_host = last
-                    self._landed(tile, sq_host)
+                    self.updates.landed(tile, sq_host)
             except BaseException as err:  # surfaced by finish()
                 self._errors.append(err)
             finally:
@@ -287,12 +287,12 @@ class CudaGradSink(GradSink):
         copied.record(self.compute)
         self.finish()
         dst = self.store.tiles[tile].grad.view(-1, rows.shape[1])
-        self._await_tile(tile)
+        self.updates.wait_state(tile)
         dst.zero_()
         copied.synchronize()
         dst.index_copy_(0, index.cpu(), host)
         self.stats.d2h_bytes += low.numel() * low.element_size()
-        self._landed(tile, sq_norm if sq_norm is not None else 0.0)
+        self.updates.landed(tile, sq_norm if sq_norm is not None else 0.0)
 
     def finish(self) -> None:
         self._work.join()

@@ -16,16 +16,17 @@ import time
 import torch
 
 from megatrain_cli.engine.transfer.slots import Slot, StreamerBase, TransferStats, WholeTiles
+from megatrain_cli.engine.transfer.updates import HostUpdates
 from megatrain_cli.store.tiles import HostStore
 
 
 class WeightStreamer(StreamerBase):
     """Copies a tile into its slot when it is acquired, on the calling thread; nothing overlaps."""
 
-    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, layer_slots: int = 2,
-                 before_read=None, *, place=None):
+    def __init__(self, store: HostStore, device: torch.device, dtype: torch.dtype, *, layer_slots: int,
+                 updates: HostUpdates, on_bind, place=None):
         super().__init__(store, device, dtype, place if place is not None else WholeTiles(store),
-                         layer_slots=layer_slots, before_read=before_read)
+                         layer_slots=layer_slots, updates=updates, on_bind=on_bind)
         self._stall = 0.0
 
     def begin_step(self, order: list[str]) -> None:
@@ -48,8 +49,7 @@ class WeightStreamer(StreamerBase):
             slot.tile = tile
             self.place.count(self.stats, tile, slot)
         flat = slot.flat(self.store.layouts[tile].numel)
-        if self.on_bind is not None:
-            self.on_bind(tile, flat)
+        self.on_bind(tile, flat)
         return flat
 
     def _copy_in(self, tile: str, slot: Slot) -> None:
@@ -76,31 +76,19 @@ class WeightStreamer(StreamerBase):
 
 
 class GradSink:
-    """Gradients leave the device: a tile's fp32 gradient lands in its host tile's grad section."""
+    """Gradients leave the device: a tile's fp32 gradient lands in its host tile's grad section. Before
+    every write into it `updates.wait_state` (deferred moments still read the previous gradient), after
+    it `updates.landed` (the optimizer worker starts on the tile then)."""
 
-    def __init__(self, store: HostStore, stats: TransferStats):
-        self.store, self.stats = store, stats
-        # (tile, squared norm of its gradient) -> None, called once the gradient is in the host tile
-        # (the optimizer worker starts on it then).
-        self.on_landed = None
-        # tile -> None, blocks until the tile's host gradient may be replaced (the optimizer worker's
-        # deferred moments still read the previous step's); called before every write into it.
-        self.before_write = None
-
-    def _landed(self, tile: str, sq_norm) -> None:
-        if self.on_landed is not None:
-            self.on_landed(tile, float(sq_norm))
-
-    def _await_tile(self, tile: str) -> None:
-        if self.before_write is not None:
-            self.before_write(tile)
+    def __init__(self, store: HostStore, stats: TransferStats, updates: HostUpdates):
+        self.store, self.stats, self.updates = store, stats, updates
 
     def send(self, tile: str, grad: torch.Tensor, sq_norm: torch.Tensor | None = None) -> None:
         dst = self.store.tiles[tile].grad
-        self._await_tile(tile)
+        self.updates.wait_state(tile)
         dst.copy_(grad)
         self.stats.d2h_bytes += grad.numel() * dst.element_size()
-        self._landed(tile, sq_norm if sq_norm is not None else 0.0)
+        self.updates.landed(tile, sq_norm if sq_norm is not None else 0.0)
 
     def send_rows(self, tile: str, rows: torch.Tensor, index: torch.Tensor,
                   sq_norm: torch.Tensor | None = None) -> None:
@@ -112,11 +100,11 @@ class GradSink:
     def _land_rows(self, tile: str, index: torch.Tensor, rows: torch.Tensor, sq_norm) -> None:
         """The host grad section: zero, then `rows` (device) at row `index` (copied to the host here)."""
         dst = self.store.tiles[tile].grad.view(-1, rows.shape[1])
-        self._await_tile(tile)
+        self.updates.wait_state(tile)
         dst.zero_()
         dst.index_copy_(0, index.cpu(), rows.to("cpu", dst.dtype))
         self.stats.d2h_bytes += rows.numel() * dst.element_size()
-        self._landed(tile, sq_norm)
+        self.updates.landed(tile, sq_norm)
 
     def finish(self) -> None:
         """Wait until every gradient sent has landed (no-op on the synchronous path)."""

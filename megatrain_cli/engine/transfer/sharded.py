@@ -1,56 +1,13 @@
-"""Data-parallel layer streaming on torch.distributed (issue #11): the engine-level pieces.
+"""Data-parallel layer streaming on torch.distributed (issue #11), the synchronous reference path. Each of N
+ranks (one GPU each, or N CPU processes on gloo) holds 1/N of every tile (store/sharded.py) and moves only
+its shard over its own link; an all-gather assembles the whole layer, gradients are reduce-scattered, the
+embedding's rows come from the ranks that own them, and one all-reduce at the step's end gives the global
+gradient norm. Every collective of a step, and what it moves: docs/architecture.md ("Data parallel over N
+GPUs"). Here the training thread issues them all, in schedule order, on the default group (host tensors
+on `cpu_group`, gloo); sharded_cuda.py overlaps them (`engine.overlap_ranks=false` keeps a CUDA run here).
 
-N ranks (one GPU each, or N CPU processes on gloo), each with its share of every step's micro-batches
-and 1/N of every tile in host memory (store/sharded.py). Per layer and step:
-
-    acquire   the rank's shard of the master, cast to the compute dtype, goes into ITS slice of the
-              whole-layer device buffer (over its own PCIe link: 1/N of the layer's bytes), then one
-              all-gather (in place) assembles the whole layer on every device
-    backward  each rank's fp32 gradient accumulator (its micro-batches only) is reduce-scattered
-              (sum over ranks); the rank's shard goes to its host grad section; its squared norm is
-              added to this rank's share of the global norm
-
-The embedding is not streamed whole (one process never does that either, unless tied):
-
-    forward   every rank marks the token ids of its micro-batches in a [V] int32 vector; one
-              all-reduce gives the step's global set U of used rows (sorted, the same everywhere).
-              Embedding shards are whole rows (rank r owns rows [r V/N, (r+1) V/N)), so each rank
-              reads only the rows of U it owns from its host shard (|U|/N rows on average over PCIe),
-              writes them into a zero [|U|, H] device buffer and an all-reduce (sum; every element
-              has exactly one non-zero term, so the sum is exact) gives every rank all rows of U.
-    backward  each rank index-adds its row gradients into a zero [|U|, H] fp32 buffer; an all-reduce
-              sums them; each rank keeps the rows it owns (sparse, as one process does).
-    cost      2 all-reduces of |U| x H (compute dtype forward, fp32 backward) + one of V int32 per step,
-              against gathering the whole table (V x H) every step: |U| <= tokens per step, usually far
-              below V, and no V x H buffer on the device.
-
-With tied embeddings the head needs the whole table anyway: it is acquired (all-gathered) once at the
-start of the step, the forward rows are read from it and the head reuses it; its gradient is a whole
-tile's and is reduce-scattered like a layer's.
-
-Global quantities (the only extra host syncs; one process has the first and the last too):
-
-    step start   the number of loss tokens of the GLOBAL batch (all-reduce), so every rank scales its
-                 loss by 1 / global tokens and the summed gradients are the single-process gradients
-    step end     one all-reduce of (this rank's shard squared norms, loss sum, loss tokens, tokens):
-                 the global gradient norm, hence the clip coefficient, identical on every rank
-
-Collectives per step: one all-gather per layer transfer (2-3 per layer, as the schedule's
-transfers_per_layer), one reduce-scatter per layer, one each for the head; the embedding's three
-(or, tied, one all-gather + one reduce-scatter); the two scalar all-reduces. Every rank issues them in
-schedule order. The streamer and sink here are the synchronous reference path (reference.py's, with a
-sharded placement): the training thread issues all of them on the default group, one after the other.
-The overlapped CUDA path (sharded_cuda.py) issues the weight all-gathers from the packer thread on
-`weight_group`, a second NCCL communicator, and everything else from the training thread on the default
-group: one thread per communicator, so each sees the same ordered sequence on every rank (the optimizer
-worker and the gradient lander run no collective). `DistContext.overlap = False` keeps a CUDA run on
-the classes here.
-
-Host tensors (gathering the masters for tests / export) go through `cpu_group`, a gloo group; under
-NCCL the device collectives use the default group.
-
-The pieces, shared with sharded_cuda.py: `Shards` (where a rank's shard lands in the whole-tile slot,
-and the all-gather that fills the rest), `RowsFromOwners` (the embedding rows above) and `ShardReducer`
+The pieces, shared with sharded_cuda.py: `Shards` (where a rank's shard lands in the whole-tile slot, and
+the all-gather that fills the rest), `RowsFromOwners` (the embedding rows) and `ShardReducer`
 (reduce-scatter, the norm share, the row gradients); the streamers and sinks hold them.
 """
 
@@ -63,6 +20,7 @@ import torch
 from megatrain_cli.engine.dist import DistContext
 from megatrain_cli.engine.transfer.reference import GradSink, WeightStreamer
 from megatrain_cli.engine.transfer.slots import Slot, TransferStats
+from megatrain_cli.engine.transfer.updates import HostUpdates
 from megatrain_cli.store.sharded import ShardedHostStore
 
 
@@ -104,19 +62,24 @@ class RowPlan:
 
 
 class RowsFromOwners:
-    """The step's embedding rows from the ranks that own them (module docstring). Held by the sharded
-    streamers (their embed_rows); leaves the step's row plan in `plan` for ShardReducer.reduce_rows."""
+    """The step's embedding rows from the ranks that own them: every rank marks its token ids in a [V]
+    vector, one all-reduce gives the step's used rows U (sorted, the same everywhere); each rank reads the
+    rows of U its shard holds (shards are whole rows) into a zero [|U|, H] buffer and an all-reduce (one
+    non-zero term per element: exact) gives every rank all of them. Per step 2 all-reduces of |U| x H and
+    one of V int32, against gathering the V x H table; tied, the table is acquired whole (the head needs it).
+    Held by the sharded streamers (their embed_rows); leaves the step's row plan in `plan` for
+    ShardReducer.reduce_rows."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext,
                  stats: TransferStats):
         self.store, self.device, self.dtype, self.ctx, self.stats = store, device, dtype, ctx, stats
         self.plan: RowPlan | None = None
 
-    def embed_rows(self, ids: torch.Tensor, acquire, before_read) -> torch.Tensor:
+    def embed_rows(self, ids: torch.Tensor, acquire, wait) -> torch.Tensor:
         """The embedding rows of this rank's unique token ids (`ids`: on the device, sorted), [u, H] in the
         compute dtype, in that order. Tied: read from the whole table, `acquire("embed")`. Else two host
-        syncs (the used set's size and bounds), a pageable H2D of this rank's |U|/N rows and two
-        all-reduces (the used-row marks, the rows)."""
+        syncs (the used set's size and bounds), a pageable H2D of this rank's |U|/N rows (after
+        `wait("embed")`: the host optimizer is done with them) and two all-reduces (the used-row marks, the rows)."""
         V, H = self.store.adapter.vocab_size, self.store.adapter.hidden_size
         if self.store.adapter.tied:
             return acquire("embed").view(V, H)[ids]
@@ -130,8 +93,7 @@ class RowsFromOwners:
         lo, hi = (int(b) for b in bounds.tolist())
         local = (used[lo:hi] - first).cpu()
         buf = torch.zeros(used.numel(), H, dtype=self.dtype, device=self.device)
-        if before_read is not None:
-            before_read("embed")
+        wait("embed")
         buf[lo:hi] = self.store.tiles["embed"].master.view(rows_per, H)[local].to(self.device, self.dtype)
         self.ctx.all_reduce(buf)  # one non-zero term per element: exact
         self.plan = RowPlan(used, lo, hi, local, torch.searchsorted(used, ids))
@@ -144,8 +106,9 @@ class DistStreamer(WeightStreamer):
     """WeightStreamer over a ShardedHostStore: shard copy, then an all-gather into the whole-layer slot."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
-                 layer_slots: int = 2, before_read=None):
-        super().__init__(store, device, dtype, layer_slots, before_read, place=Shards(store, ctx))
+                 layer_slots: int, updates: HostUpdates, on_bind):
+        super().__init__(store, device, dtype, layer_slots=layer_slots, updates=updates, on_bind=on_bind,
+                         place=Shards(store, ctx))
         self.ctx = ctx
         self.owners = RowsFromOwners(store, device, dtype, ctx, self.stats)
 
@@ -159,7 +122,7 @@ class DistStreamer(WeightStreamer):
 
     def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
         """RowsFromOwners.embed_rows for this rank's unique token ids (host int64, sorted)."""
-        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.before_read)
+        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.updates.wait)
 
 
 class ShardReducer:
@@ -214,8 +177,8 @@ class DistGradSink(GradSink):
     """Gradients leave the device reduce-scattered: each rank's host grad section gets its shard of the
     sum over ranks. Keeps this rank's share of the global squared norm (`take_sq_norm`)."""
 
-    def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext):
-        super().__init__(store, streamer.stats)
+    def __init__(self, store: ShardedHostStore, streamer: DistStreamer, ctx: DistContext, updates: HostUpdates):
+        super().__init__(store, streamer.stats, updates)
         self.shards = ShardReducer(store, ctx, streamer.stats, streamer.owners)
 
     def reset(self) -> None:

@@ -1,45 +1,18 @@
-"""Data-parallel layer streaming, overlapped on CUDA (issue #11): cuda.py's streams, pinned staging,
-packer thread and gradient slabs, with each rank moving only ITS shard of a tile over its own PCIe link
-and NCCL assembling the whole layer between the GPUs. The synchronous reference path, the embedding
-rows and the global norm are sharded.py's (RowsFromOwners, ShardReducer: held here as there).
+"""Data-parallel layer streaming overlapped on CUDA (issue #11): cuda.py's streams, pinned staging, packer
+thread and gradient slabs, each rank moving only its shard over its own PCIe link and NCCL assembling the
+layer between the GPUs (docs/architecture.md, "Data parallel over N GPUs"). The packer casts the shard into
+staging; the H2D stream copies it into the rank's slice of the slot (Shard-Landed); a comm stream
+all-gathers in place (Weights-Ready). Gradients are reduce-scattered on a reduce stream, then cross PCIe
+through the slabs as on one GPU. Per tile and rank: 1/N of the host cast, of both PCIe copies and of host
+AdamW; NVLink carries (N-1)/N of the bf16 tile and of its fp32 gradient.
 
-    packer thread   waits for host AdamW to be done with this rank's shard (before_read), casts the
-                    SHARD fp32 -> compute dtype into pinned staging (CudaStreamer._transfer)
-    H2D stream      waits Buffer-Free, copies the shard into the rank's slice of the whole-layer slot,
-                    records Shard-Landed
-    comm stream     waits Shard-Landed, all-gathers in place on the WEIGHT communicator, records
-                    Weights-Ready; compute waits on it before binding the slot (as on one GPU);
-                    OverlappedShards, the placement CudaStreamer._transfer ends with
-    compute         the layers; records Backward-Done after each tile's fp32 gradient
-    reduce stream   waits Backward-Done, reduce-scatters on the GRADIENT communicator (the default group)
-                    into an fp32 shard, adds the shard's squared norm to this rank's share (device)
-    D2H stream      waits on the reduce stream, casts the shard to the grad dtype and copies it into
-                    pinned slabs (CudaGradSink._send_flat, waiting on the reduce stream)
-    lander thread   waits Slab-Full, copies the slab into the host shard's grad, calls on_landed (the
-                    optimizer worker starts on the shard), as on one GPU
-
-Two NCCL communicators, one thread each. NCCL needs every rank to issue a communicator's collectives in
-the same order. The packer thread issues the weight all-gathers in the order the training thread asks
-for tiles (acquire / prefetch: the schedule's, the same on every rank); the training thread issues the
-reduce-scatters, the embedding rows' all-reduces and the scalar all-reduces in program order. On one
-communicator the two threads would interleave differently on each rank (a mismatch or a hang), so the
-all-gathers get their own (DistContext.weight_group), created at construction from the training thread
-on every rank alike (see `_warm_up`). Two communicators' kernels run side by side on the GPU; anything
-that synchronises the whole device in the middle of a step (torch.cuda.empty_cache, an out-of-memory
-retry that frees cached blocks) could wait on a kernel whose peer waits on this rank: keep them out of
-the step.
-
-Costs per tile per rank, N ranks, bf16 compute (one GPU: the whole tile over PCIe both ways):
-    host      cast of 1/N of the tile into pinned staging (packer); copy of 1/N of its gradient out of
-              a slab (lander); AdamW over 1/N of it
-    PCIe      H2D of 1/N of the tile's bf16 weights; D2H of 1/N of its bf16 gradient
-    NVLink    all-gather: receives (N-1)/N of the bf16 tile; reduce-scatter: (N-1)/N of its fp32
-              gradient; both on a few SMs beside the compute stream
-    device    the whole-tile slots as on one GPU (padded to N shards); one fp32 shard and its grad-dtype
-              copy per gradient in flight; the weight communicator's NCCL buffers
-    syncs     no host wait on the hot path but the packer's on its own staging buffers and the lander's
-              on its slabs (their own threads); per step, embed_rows' two and the two scalar all-reduces'
-              (sharded.py), and send_rows waits for every slab before the embedding's rows
+Two NCCL communicators, one thread each: NCCL needs every rank to issue a communicator's collectives in the
+same order, and on one communicator the packer's all-gathers (in fetch order) and the training thread's
+reduce-scatters and all-reduces (program order) would interleave differently on each rank (a mismatch or a
+hang). So the all-gathers run on `DistContext.weight_group`, its communicator created at construction from
+the training thread on every rank alike (`warm_up`). Nothing may synchronise the whole device mid-step
+(torch.cuda.empty_cache, an out-of-memory retry that frees cached blocks): it could wait on a kernel whose
+peer waits on this rank.
 """
 
 from __future__ import annotations
@@ -50,6 +23,7 @@ from megatrain_cli.engine.dist import DistContext
 from megatrain_cli.engine.transfer.cuda import CudaGradSink, CudaStreamer
 from megatrain_cli.engine.transfer.sharded import RowPlan, RowsFromOwners, ShardReducer, Shards
 from megatrain_cli.engine.transfer.slots import Slot
+from megatrain_cli.engine.transfer.updates import HostUpdates
 from megatrain_cli.store.sharded import ShardedHostStore
 
 
@@ -90,13 +64,13 @@ class OverlappedShards(Shards):
 
 class DistCudaStreamer(CudaStreamer):
     """CudaStreamer over a ShardedHostStore: the shard through pinned staging, then an all-gather on the
-    weight communicator fills the other ranks' slices (OverlappedShards; module docstring)."""
+    weight communicator fills the other ranks' slices (OverlappedShards)."""
 
     def __init__(self, store: ShardedHostStore, device: torch.device, dtype: torch.dtype, ctx: DistContext, *,
-                 layer_slots: int = 2, double_buffer: bool = True, before_read=None, packer_threads: int | None = None):
-        super().__init__(store, device, dtype, layer_slots=layer_slots, staging_numel=largest_layer_shard(store),
-                         double_buffer=double_buffer, before_read=before_read, packer_threads=packer_threads,
-                         place=OverlappedShards(store, ctx, device))
+                 layer_slots: int, double_buffer: bool, packer_threads: int | None, updates: HostUpdates, on_bind):
+        super().__init__(store, device, dtype, layer_slots=layer_slots, double_buffer=double_buffer,
+                         packer_threads=packer_threads, updates=updates, on_bind=on_bind,
+                         staging_numel=largest_layer_shard(store), place=OverlappedShards(store, ctx, device))
         self.ctx = ctx
         self.owners = RowsFromOwners(store, device, dtype, ctx, self.stats)
         # The packer thread's CUDA calls on this rank's GPU (a new thread starts on device 0).
@@ -114,15 +88,16 @@ class DistCudaStreamer(CudaStreamer):
     def embed_rows(self, uniq: torch.Tensor) -> torch.Tensor:
         """RowsFromOwners.embed_rows for this rank's unique token ids (host int64, sorted); tied, the table
         comes through acquire (the pipeline)."""
-        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.before_read)
+        return self.owners.embed_rows(uniq.to(self.device), self.acquire, self.updates.wait)
 
 
 class DistCudaGradSink(CudaGradSink):
     """CudaGradSink's slabs and lander for this rank's shards: each gradient is reduce-scattered on a side
-    stream first, and only the shard crosses PCIe (module docstring)."""
+    stream first, and only the shard crosses PCIe."""
 
-    def __init__(self, store: ShardedHostStore, streamer: DistCudaStreamer, ctx: DistContext, *, slabs: int = 12):
-        super().__init__(store, streamer.stats, ctx.device, slabs=slabs, slab_numel=largest_layer_shard(store),
+    def __init__(self, store: ShardedHostStore, streamer: DistCudaStreamer, ctx: DistContext, updates: HostUpdates, *,
+                 slabs: int):
+        super().__init__(store, streamer.stats, ctx.device, updates, slabs=slabs, slab_numel=largest_layer_shard(store),
                          lander_sets_device=True)
         self.shards = ShardReducer(store, ctx, streamer.stats, streamer.owners)
         self.reduce = torch.cuda.Stream(ctx.device)  # the reduce-scatters and the norm share; the D2H waits on it

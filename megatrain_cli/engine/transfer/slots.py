@@ -9,16 +9,19 @@ filled: `WholeTiles` (one process: the whole tile, nothing else to do) or sharde
 slice, then an all-gather). The streamers (reference.py, cuda.py) move the bytes; the placement only
 points at them.
 
-`StreamerBase` holds what the engine wires into any streamer (on_bind, before_read, claim, stats).
+`StreamerBase` holds what every streamer is built with: the slots, the placement, the host updates
+(updates.HostUpdates: what a read waits for or applies), `on_bind` and the transfer counters.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
+
+from megatrain_cli.engine.transfer.updates import HostUpdates
 
 # Elements per H2D chunk through pinned staging and per pinned gradient slab: sized to what moves at once,
 # not to the largest layer, whose billions of parameters (an MoE layer: gpt-oss-120b's is 3.2 B) would pin
@@ -156,17 +159,15 @@ class SlotPool:
 
 
 class StreamerBase:
-    """The slots, the placement and what the engine wires in; the subclasses move the bytes."""
+    """The slots, the placement and the hooks it is built with; the subclasses move the bytes."""
 
     def __init__(self, store, device: torch.device, dtype: torch.dtype, place, *, layer_slots: int,
-                 before_read=None, events: bool = False):
+                 updates: HostUpdates, on_bind: Callable[[str, torch.Tensor], None], events: bool = False):
         self.store, self.device, self.dtype, self.place = store, device, dtype, place
         self.slots = SlotPool(store, device, dtype, layer_slots, place, events=events)
         self.stats = TransferStats()
-        self.on_bind = None  # callback(tile, flat) so saved-tensor hooks know which buffer holds what
-        self.before_read = before_read  # tile -> None: blocks until the host optimizer is done with it
-        # tile -> UpdateOnRead | None: a deferred update this read applies itself (optim/worker.py)
-        self.claim = None
+        self.updates = updates  # the host optimizer: a tile's read waits for its update, or applies it
+        self.on_bind = on_bind  # (tile, flat): the saved-tensor hooks learn which buffer holds what
 
     @property
     def layer_slots(self) -> list[Slot]:
@@ -183,9 +184,9 @@ class StreamerBase:
     def _claim_or_wait(self, tile: str):
         """The tile's held update for this read to apply (update on read), or None once its weights are
         current (a host-side wait when host AdamW is behind)."""
-        update = self.claim(tile) if self.claim is not None else None
-        if update is None and self.before_read is not None:
-            self.before_read(tile)
+        update = self.updates.claim(tile)
+        if update is None:
+            self.updates.wait(tile)
         return update
 
     def prefetch_first(self) -> None:
