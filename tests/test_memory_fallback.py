@@ -108,6 +108,23 @@ def test_lean_plan_terms_agree_with_the_short_plan(qwen14b):
         one.phases["layer backward, MLP half"]["MLP intermediates"]
 
 
+def test_resident_layers_are_a_term_of_the_lean_plan_and_leave_its_choices_alone(qwen14b):
+    """The lean plan counts the resident layers beside it (the one device figure is its predicted peak): the
+    same choices as a plan for what they leave of the budget, every figure up by exactly their bytes."""
+    adapter, store_bytes = qwen14b
+    resident = 20 * GiB
+    args = dict(seq_len=4096, micro_batch_size=8, grad_accum=1, dtype=torch.bfloat16, device_type="cuda",
+                loss_chunk_tokens=8192, store_bytes_to_come=store_bytes, host_available=store_bytes + 64 * GiB)
+    beside = plan_memory_lean(adapter, device_budget=44 * GiB, resident_bytes=resident, **args)
+    alone = plan_memory_lean(adapter, device_budget=24 * GiB, **args)
+    assert alone.fits and 0 < alone.offloaded_checkpoints  # the test's point: a budget that makes it choose
+    assert beside.fixed["resident layers + head (master, moments, weights, gradient)"] == resident
+    assert (beside.offloaded_checkpoints, beside.mlp_chunk_tokens, beside.loss_chunk_tokens, beside.fits) == \
+        (alone.offloaded_checkpoints, alone.mlp_chunk_tokens, alone.loss_chunk_tokens, alone.fits)
+    assert beside.predicted_peak - alone.predicted_peak == beside.usable - alone.usable == resident
+    assert beside.budget == 44 * GiB and "resident layers + head" in beside.render()
+
+
 # ---------------------------------------------------------------------------------------------- bench
 BATCH, SEQ, ACCUM = 2, 32, 2
 
@@ -226,10 +243,13 @@ def test_dry_run_prints_the_memory_lean_path(capsys):
     assert "memory-lean plan: 8 x 256 tokens x 2 micro-batches" in out and "fits" in out
     assert out.index("memory plan for") < out.index("path: memory-lean") < out.index("memory-lean plan:")
     assert "would not fit" not in out
+    # One device figure: the lean plan's; the memory plan above it holds the host figures only.
+    assert "device, peak" not in out and "replaces them" not in out
 
     # The recipe as it is (no budget on CPU): the short-context path.
     assert run_training(tiny_recipe(), dry_run=True) == 0
-    assert "path: short-context engine" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "path: short-context engine" in out and "device, peak (estimate)" in out
 
 
 def test_train_runs_the_memory_lean_path_or_refuses_with_both_plans(tmp_path, capsys):

@@ -114,6 +114,11 @@ class ModelShape:
                    dense_intermediate=inter if dense else 0)
 
 
+def checkpoint_bytes(tokens: int, hidden: int, width: int) -> int:
+    """One activation checkpoint: a layer's input hidden states over `tokens` tokens."""
+    return tokens * hidden * width
+
+
 def _norm_saved(h: int, width: int, lean: bool, input_saved_elsewhere: bool) -> int:
     """Bytes per row an RMSNorm of width h keeps for backward (its output is counted by its reader)."""
     rstd = 4
@@ -179,6 +184,8 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
         "per-token ids, labels, positions, rotary cos/sin": T * (3 * 8 + 2 * s.head_dim * w),
         "CUDA context + cuBLAS/cuDNN workspaces (reserve)": reserve_bytes,
         "checkpoint offload staging (one in flight)": staging,
+        # Planned beside the rest: exact byte counts allocated once (engine/resident.py), outside the headroom.
+        "resident layers + head (master, moments, weights, gradient)": plan.resident_bytes,
     }
     many = plan.grad_accum > 1
     phases = {}
