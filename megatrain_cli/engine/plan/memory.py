@@ -3,8 +3,9 @@ short-context path, on the device, computed from the model shape alone (nothing 
 prints it; the pre-flight check compares it with what the machine has and refuses a run that would not fit.
 On a lean path the lean plan (lean.py) holds the device figures and this plan only the host's.
 
-Activation figures are estimates for SDPA attention in bf16 and say so; the weight, gradient,
-optimizer and staging figures are exact byte counts of what the engine allocates.
+Activation figures come from lean_terms.py's per-layer model (the lean plan's too: one model, measured
+against real layers there) and say "estimate"; the weight, gradient, optimizer and staging figures are
+exact byte counts of what the engine allocates.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain_cli.engine.plan.lean_terms import ModelShape, checkpoint_bytes
+from megatrain_cli.engine.plan.lean_terms import ModelShape, checkpoint_bytes, layer_saved_bytes
 from megatrain_cli.engine.resident import CAST_CHUNK, resident_bytes_per_param
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
 from megatrain_cli.engine.transfer.slots import embedding_rows_pinned, transfer_chunk
@@ -134,11 +135,11 @@ def _device_figures(plan: MemoryPlan, store: HostStore, width: int, *, micro_bat
     kept_layers = sum(len(b) for b in bl[len(bl) - keep_blocks:])
     plan.device["activation checkpoints (estimate)"] = \
         (len(bl) - keep_blocks) * grad_accum * checkpoint_bytes(tokens, h, width)
-    per_layer = activation_bytes_per_layer(adapter, tokens, width)
-    if getattr(adapter.config, "_attn_implementation", None) == "eager":
-        # HF's eager attention (gpt-oss's sinks, Gemma 2's softcap: no SDPA) keeps each head's [T, T (+1 sink)]
-        # probabilities for its backward: quadratic in the sequence.
-        per_layer += micro_batch_size * int(adapter.config.num_attention_heads) * seq_len * (seq_len + 1) * width
+    shape = ModelShape.of(adapter)
+    # What autograd keeps for one recorded layer (SDPA, HF norms, the MLP whole: the short-context engine's).
+    per_layer = sum(layer_saved_bytes(shape, tokens, width, mlp_chunked=False, lean_norms=False,
+                                      seq_len=seq_len).values())
+    if shape.eager:
         plan.notes.append("eager attention (no SDPA for this family): each layer keeps its [T, T] attention "
                           "probabilities per head; shorter rows or a smaller micro-batch cut it quadratically")
     chunk = min(loss_chunk_tokens, tokens)
@@ -189,17 +190,6 @@ def resolve_resident_layers(setting: int | str, budget_bytes: int | None, **plan
     if plan_args.get("device_type", "cuda") != "cuda" or not budget_bytes:
         return 0
     return choose_resident_layers(budget_bytes, **plan_args)
-
-
-def activation_bytes_per_layer(adapter: ModelAdapter, tokens: int, width: int) -> int:
-    """What autograd keeps for one decoder layer over `tokens` tokens (SDPA attention + SwiGLU MLP):
-    about 10 hidden-sized and 4 intermediate-sized tensors, plus 15% for what the count misses
-    (GQA's expanded K/V, fp32 norm inputs). A mixture-of-experts layer keeps its routed experts' and
-    router's tensors instead of the 4 intermediate-sized ones (lean_terms.ModelShape.mlp_saved_per_token:
-    top_k picks of each token through one expert, not every expert). An estimate, checked against
-    measured peaks."""
-    mlp = ModelShape.of(adapter).mlp_saved_per_token(width)
-    return int(1.15 * tokens * (10 * adapter.hidden_size * width + mlp))
 
 
 def kept_block_ids(n_blocks: int, keep_blocks: int) -> frozenset[int]:
