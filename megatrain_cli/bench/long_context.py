@@ -20,7 +20,6 @@ whole model's plan choices (RMSNorm, MLP chunking, loss chunk), so each runs wha
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import sys
 import time
@@ -29,7 +28,7 @@ import torch
 
 from megatrain_cli.bench.loop import run_timed_steps, synthetic_batch
 from megatrain_cli.bench.result import BenchResult
-from megatrain_cli.engine.plan.lean import GiB, choose_plan, refusal
+from megatrain_cli.engine.plan.lean import GiB, refusal
 from megatrain_cli.engine.plan.step_plan import DTYPES, plan_step
 from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
 from megatrain_cli.metrics.flops import streamed_step_flops
@@ -150,10 +149,11 @@ def format_extrapolation(x: dict) -> str:
     return "\n".join(lines)
 
 
-def take_whole_models_plan(planned, whole_adapter, *, log=print) -> None:
+def take_whole_models_plan(planned, whole_adapter, *, log=print, **plan_options) -> None:
     """--layers on the long-context path: plan the whole model too (computed, not run) and make the run's
-    plan take its choices (RMSNorm, MLP chunking, loss chunk), re-deciding only the offload for the layers
-    that run. Sets planned.full / full_store; replaces planned.plan's lean plan where the choices differ."""
+    plan take its choices (RMSNorm, MLP chunking, loss chunk), the one planner re-deciding only where the
+    checkpoints of the layers that run go. Sets planned.full / full_store; where the choices differ, planned.plan
+    is plan_step's with them (`plan_options`: plan_step's, as the run's plan was made)."""
     r, dev = planned.r, planned.device
     full = plan_step(r, whole_adapter, dev).lean
     planned.full = full
@@ -164,16 +164,8 @@ def take_whole_models_plan(planned, whole_adapter, *, log=print) -> None:
     if (own.lean_norms, own.mlp_chunk_tokens, own.loss_chunk_tokens) == \
             (full.lean_norms, full.mlp_chunk_tokens, full.loss_chunk_tokens):
         return
-    lean = choose_plan(ModelAdapter(planned.config), own.seq_len, batch=own.batch, grad_accum=own.grad_accum,
-                       device_budget_bytes=own.budget, host_budget_bytes=own.host_budget, dtype=DTYPES[r.model.dtype],
-                       layer_slots=r.engine.layer_slots, loss_chunk_tokens=full.loss_chunk_tokens,
-                       chunk_mlp=full.mlp_chunk_tokens is not None, lean_norms=full.lean_norms, device_type=dev.type)
-    problems = [p for p in planned.problems if own.fits or refusal(own) not in p]  # all but the run's own refusal
-    if not lean.fits:
-        problems.append(f"long context: {refusal(lean)}")
-    planned.plan = dataclasses.replace(planned.plan, lean=lean, loss_chunk_tokens=lean.loss_chunk_tokens,
-                                       problems=list(problems))
-    planned.problems = problems
+    planned.plan = plan_step(r, ModelAdapter(planned.config), dev, like=full, **plan_options)
+    planned.problems = list(planned.plan.problems)
 
 
 def _say(log):

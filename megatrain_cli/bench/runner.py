@@ -65,12 +65,12 @@ def plan_bench(r: Recipe, layers: int | None = None, *, store_built: bool = Fals
     device = resolve_device(r.engine.device)
     whole = bench_model_config(r)
     config = bench_model_config(r, layers)
-    plan = plan_step(r, ModelAdapter(config), device, store_built=store_built, budget=budget,
-                     one_process=one_process)
+    options = dict(store_built=store_built, budget=budget, one_process=one_process)
+    plan = plan_step(r, ModelAdapter(config), device, **options)
     planned = Planned(r, config, device, plan, model_label(model_name(r), layers, whole.num_hidden_layers),
                       list(plan.problems))
     if planned.long_context and config.num_hidden_layers != whole.num_hidden_layers:
-        long_context.take_whole_models_plan(planned, ModelAdapter(whole), log=log)
+        long_context.take_whole_models_plan(planned, ModelAdapter(whole), log=log, **options)
     log(planned.plan.render())
     lean = planned.plan.lean
     if lean is not None and lean.label == "memory-lean":
@@ -78,8 +78,7 @@ def plan_bench(r: Recipe, layers: int | None = None, *, store_built: bool = Fals
             log(f"[bench] memory-lean path ({lean.summary()})")
         else:  # both plans' figures: the short-context one that was too big, the lean one that is too
             strict = dataclasses.replace(r, engine=dataclasses.replace(r.engine, memory_fallback=False))
-            short_plan = plan_step(strict, ModelAdapter(config), device, store_built=store_built, budget=budget,
-                                   one_process=one_process)
+            short_plan = plan_step(strict, ModelAdapter(config), device, **options)
             planned.problems = [*short_plan.problems, f"memory-lean path: {refusal(lean)}"]
     return planned
 

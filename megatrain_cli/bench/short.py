@@ -81,7 +81,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
                  f"double_buffer={e.double_buffer} "
                  f"overlap_optimizer={engine.worker is not None} speculate={e.speculate_optimizer} "
                  f"max_grad_norm={r.train.max_grad_norm} "
-                 f"predicted_peak_GiB={(lean.predicted_peak if lean else plan.memory.device_total) / 2**30:.1f} "
+                 f"predicted_peak_GiB={plan.device_bytes / 2**30:.1f} "
                  f"speculated={sum(x.speculation.get('speculated', 0) for x in results)} "
                  f"corrected={sum(x.speculation.get('corrected', 0) for x in results)} "
                  f"h2d_layer_transfers={sum(v for k, v in results[-1].h2d_count.items() if k.startswith('layers.'))}")

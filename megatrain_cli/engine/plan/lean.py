@@ -1,26 +1,19 @@
-"""The lean plan: how a step fits the device when the short-context plan (memory.py) would not.
+"""The lean plan: how a step fits the device when the short-context plan (memory.py) would not: long
+sequences (the long-context path) and, as `plan_memory_lean`, any step shape that does not fit (the
+memory-lean path). Pure arithmetic over the model shape (nothing allocated): the checkpoint interval, the
+MLP chunk, the loss chunk, how many checkpoints go to pinned host memory (engine/transfer/offload.py), and
+the device peak term by term for each phase of the step (lean_terms.py).
 
-Used for long sequences (the long-context path) and, as `plan_memory_lean`, for any step shape that does
-not fit (the memory-lean path). The offloader it drives is engine/transfer/offload.py.
-
-`plan_long_context` is pure arithmetic over the model shape: it picks the checkpoint interval, the
-MLP chunk, the loss chunk and how many layer checkpoints go to pinned host memory, and predicts the
-device peak term by term for each phase of the step. Nothing is allocated; it runs on the CPU.
-
-When the host budget cannot hold the checkpoints the device cannot, the plan drops some instead of
-storing them anywhere (the fewest that make device and host fit): the backward rebuilds dropped checkpoint
-j from checkpoint j-1 with one more no-grad forward of layer j-1 (engine/rebuild.py). Dropped are every
-other one from the bottom, 1, 3, 5, ...: each needs the one before it stored, and the backward reaches
+When the host cannot hold the checkpoints the device cannot, the plan drops the fewest that make both fit:
+the backward rebuilds dropped checkpoint j from j-1 with one more no-grad forward of layer j-1
+(engine/rebuild.py). Dropped are 1, 3, 5, ...: each needs the one before it stored, and the backward reaches
 them last, when the fewest other checkpoints are still on the device.
 
-Checkpoint interval is always 1: a block of k layers costs L/k checkpoints plus k layer graphs, and a
-layer graph is ~13 checkpoints, so one layer per block is the least memory for any L (and it streams
-each layer's weights the same twice per step as any interval up to the 2 weight slots).
-
-The same plan is the memory-lean fallback of any step shape (`plan_memory_lean`: batch > 1, several
-micro-batches, short sequences) whose short-context plan (memory.py) does not fit the device: the
-step's tokens (every micro-batch) set the checkpoints and a recorded layer's saved tensors, one
-micro-batch's tokens the head's logits chunk, an MLP chunk, SDPA's backward and the forward's temporaries.
+Checkpoint interval is always 1: a block of k layers costs L/k checkpoints plus k layer graphs, and a layer
+graph is ~13 checkpoints, so one layer per block is the least memory for any L (and it streams each layer's
+weights twice per step, as any interval up to the 2 weight slots does). The step's tokens (every micro-batch)
+set the checkpoints and a recorded layer's saved tensors; one micro-batch's tokens the head's logits chunk,
+an MLP chunk, SDPA's backward and the forward's temporaries.
 """
 
 from __future__ import annotations
@@ -30,7 +23,7 @@ from typing import Any
 
 import torch
 
-from megatrain_cli.engine.plan.lean_terms import ModelShape, device_terms
+from megatrain_cli.engine.plan.lean_terms import ModelShape, checkpoint_bytes, device_terms
 from megatrain_cli.engine.transfer.slots import embedding_rows_pinned, transfer_chunk
 
 GiB = 2**30
@@ -45,8 +38,8 @@ def fmt_bytes(n: int) -> str:
 class LeanPlan:
     seq_len: int
     batch: int
-    budget: int  # device bytes
-    usable: int  # budget x headroom: what the predicted peak must stay under
+    budget: int  # device bytes (the whole device's: resident layers included)
+    usable: int  # what the predicted peak must stay under: the headroom of what the resident layers leave, + them
     checkpoint_interval: int
     mlp_chunk_tokens: int | None  # None: the MLP runs unchunked
     loss_chunk_tokens: int
@@ -64,6 +57,9 @@ class LeanPlan:
     # would have gone to pinned host memory without them (what the host budget could not hold).
     dropped_checkpoints: tuple = ()
     offloads_wanted: int = 0
+    # Device bytes of the resident layers and the head (engine/resident.py) the step runs beside: a fixed term,
+    # so the predicted peak is the whole device's; the plan's choices are made on what they leave.
+    resident_bytes: int = 0
 
     @property
     def tokens(self) -> int:
@@ -171,13 +167,9 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
                       layer_slots: int = 2, mlp_chunk_tokens: int = 8192, chunk_mlp: bool | None = None,
                       loss_chunk_tokens: int = 4096, offload: bool | None = None, drop: int | None = None,
                       lean_norms: bool = False, headroom: float = 0.95, device_type: str = "cuda",
-                      fallback: bool = False) -> LeanPlan:
-    """The activation plan for one step of `grad_accum` micro-batches of `batch` x `seq_len` tokens.
-
-    The engine runs the micro-batches as the inner loop: every micro-batch's checkpoints are kept per
-    block and one layer's recompute records the graphs of all of them before its backward, so the
-    checkpoints and a layer's saved tensors scale with the step's tokens; the head's logits chunk, an MLP
-    chunk, SDPA's backward and the forward's temporaries work on one micro-batch at a time.
+                      fallback: bool = False, resident_bytes: int = 0) -> LeanPlan:
+    """The activation plan for one step of `grad_accum` micro-batches of `batch` x `seq_len` tokens (the engine
+    records every micro-batch's graph of a layer before its backward: the module doc says what scales how).
 
     chunk_mlp: None chunks it when the unchunked MLP's activations would take over 10% of the budget, or when
     chunking avoids offloading. offload: None offloads as few checkpoints as keep the peak under
@@ -190,12 +182,15 @@ def plan_long_context(model: Any, seq_len: int, *, batch: int = 1, grad_accum: i
     `fallback`: the memory-lean plan of a step the short-context plan does not fit (plan_memory_lean):
     the loss chunk is halved (down to LEAN_MIN_LOSS_CHUNK) before checkpoints are offloaded, and the MLP
     is chunked only when that offloads fewer checkpoints or is needed to fit.
+    `resident_bytes`: the resident layers' and head's device bytes (step_plan.plan_step), counted exactly
+    beside the rest; the headroom and the MLP-chunking rule apply to what they leave of the budget.
     """
     options = dict(batch=batch, grad_accum=grad_accum, device_budget_bytes=device_budget_bytes,
                    host_budget_bytes=host_budget_bytes, dtype=dtype, layer_slots=layer_slots,
                    mlp_chunk_tokens=mlp_chunk_tokens, chunk_mlp=chunk_mlp, loss_chunk_tokens=loss_chunk_tokens,
                    offload=offload, drop=drop, headroom=headroom,
-                   reserve_bytes=GiB if device_type == "cuda" else 0, fallback=fallback)
+                   reserve_bytes=GiB if device_type == "cuda" else 0, fallback=fallback,
+                   resident_bytes=resident_bytes)
     shape = ModelShape.of(model)
     plan = _choose(shape, seq_len, lean_norms=lean_norms, **options)
     _add_notes(plan)
@@ -211,8 +206,7 @@ def choose_plan(model: Any, seq_len: int, *, lean_norms: bool | None = None, **o
     """plan_long_context, with lean_norms=None choosing: HF's RMSNorm when that plan fits without dropping
     checkpoints, else the lean one when it fits with fewer dropped (it offloads fewer checkpoints: less
     pinned host memory and PCIe, and a lean norm costs less than a layer's forward), else the HF plan
-    (which may not fit; its notes give the lean figures). The engine's path for the long-context bench
-    and for the trainer."""
+    (which may not fit; its notes give the lean figures)."""
     if lean_norms is not None:
         return plan_long_context(model, seq_len, lean_norms=lean_norms, **options)
     plan = plan_long_context(model, seq_len, **options)
@@ -241,9 +235,8 @@ def host_budget_bytes(pinned_engine_bytes: int, margin_bytes: int = HOST_MARGIN,
 
 # `megatrain train`: sequences this long take the long-context path (plan_for_training).
 LONG_CONTEXT_MIN_SEQ = 32768
-# The memory-lean fallback halves the loss chunk down to this many tokens before it offloads checkpoints
-# (a [1024, vocab] logits GEMM still runs at full speed; an offloaded checkpoint costs pinned host memory
-# and two PCIe crossings per step).
+# The memory-lean fallback halves the loss chunk down to this before it offloads checkpoints (a [1024, vocab]
+# logits GEMM still runs at full speed; an offloaded checkpoint costs pinned memory and two PCIe crossings).
 LEAN_MIN_LOSS_CHUNK = 1024
 
 
@@ -251,13 +244,14 @@ def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad
                       device_type: str, device_budget: int | None, grad_slabs: int = 12, layer_slots: int = 2,
                       loss_chunk_tokens: int = 4096, store_bytes_to_come: int = 0,
                       min_seq_len: int = LONG_CONTEXT_MIN_SEQ, host_available: int | None = None,
-                      fallback: bool = False) -> LeanPlan | None:
+                      fallback: bool = False, resident_bytes: int = 0, **choices) -> LeanPlan | None:
     """The trainer's long-context plan, or None below `min_seq_len` (the short-context engine).
 
     The plan is for grad_accum micro-batches of micro_batch_size x seq_len tokens (the engine records every
     micro-batch of a step at once). `device_budget` None: on CPU, what the host has free. The host budget
     is read now (MemAvailable, or `host_available` bytes): pass `store_bytes_to_come` = the host store's
-    bytes when it is not built yet (a dry run). `fallback`: see plan_long_context (plan_memory_lean).
+    bytes when it is not built yet (a dry run). `fallback`, `resident_bytes`: see plan_long_context.
+    `choices`: choose_plan's lean_norms and chunk_mlp, forced (step_plan.plan_step's `like`).
     """
     if seq_len < min_seq_len:
         return None
@@ -275,7 +269,7 @@ def plan_for_training(adapter: Any, *, seq_len: int, micro_batch_size: int, grad
     return choose_plan(adapter, seq_len, batch=micro_batch_size, grad_accum=grad_accum,
                        device_budget_bytes=device_budget, host_budget_bytes=host, dtype=dtype,
                        layer_slots=layer_slots, loss_chunk_tokens=loss_chunk_tokens, device_type=device_type,
-                       fallback=fallback)
+                       fallback=fallback, resident_bytes=resident_bytes, **choices)
 
 
 def plan_memory_lean(adapter: Any, **training) -> LeanPlan:
@@ -309,17 +303,19 @@ def refusal(plan: LeanPlan) -> str:
 
 def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget_bytes, host_budget_bytes, dtype,
             layer_slots, mlp_chunk_tokens, chunk_mlp, loss_chunk_tokens, offload, drop, headroom, lean_norms,
-            reserve_bytes, fallback) -> LeanPlan:
+            reserve_bytes, fallback, resident_bytes) -> LeanPlan:
     w = torch.finfo(dtype).bits // 8
     micro = batch * seq_len  # one micro-batch: the head's chunks, an MLP chunk and SDPA's backward work on it
     tokens = micro * grad_accum  # the step: each checkpoint holds every micro-batch's hidden states
-    usable = int(device_budget_bytes * headroom)
+    free = device_budget_bytes - resident_bytes  # what the resident layers leave to the step
+    usable = int(free * headroom) + resident_bytes
 
     def build(chunked: bool, chunk: int, offloaded: int, dropped: int = 0, wanted: int = 0) -> LeanPlan:
         plan = LeanPlan(seq_len, batch, device_budget_bytes, usable, 1, mlp_chunk_tokens if chunked else None,
-                               chunk, lean_norms, shape.layers, offloaded, tokens * shape.hidden * w,
-                               host_budget=host_budget_bytes, grad_accum=grad_accum,
-                               dropped_checkpoints=tuple(range(1, 2 * dropped, 2)), offloads_wanted=wanted)
+                        chunk, lean_norms, shape.layers, offloaded, checkpoint_bytes(tokens, shape.hidden, w),
+                        host_budget=host_budget_bytes, grad_accum=grad_accum,
+                        dropped_checkpoints=tuple(range(1, 2 * dropped, 2)), offloads_wanted=wanted,
+                        resident_bytes=resident_bytes)
         plan.fixed, plan.phases = device_terms(shape, plan, w, layer_slots, reserve_bytes)
         return plan
 
@@ -365,7 +361,7 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget
     else:
         if chunk_mlp is None:
             unchunked_mlp = w * shape.intermediate * (4 * tokens + 3 * micro)  # 4 kept per token, 3 bwd temporaries
-            chunked = can_chunk and unchunked_mlp > 0.10 * device_budget_bytes
+            chunked = can_chunk and unchunked_mlp > 0.10 * free
         else:
             chunked = chunk_mlp and can_chunk
         plan = with_offload(chunked, min(loss_chunk_tokens, micro))

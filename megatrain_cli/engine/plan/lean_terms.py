@@ -1,4 +1,6 @@
-"""What one step keeps on the device, term by term, on the lean path (lean.py plans with it).
+"""What one step keeps on the device, term by term: the one activation model. The lean plan (lean.py) plans
+every phase with it; the short-context memory plan (memory.py) takes its recomputed and kept layers and its
+checkpoints from it.
 
 Where the bytes are, per token, for one recomputed layer (counted from what autograd saves for the
 HF decoder layer with SDPA; test_lean_layers.py measures the saved tensors of a real layer against it):
@@ -17,6 +19,8 @@ tests/test_moe.py), per token and per routed pick (top_k of them): the gathered 
 expert output w*2H, the gate/up output, activation and product w*4I (gpt-oss's clamped SwiGLU: w*7I) and
 40 bytes of indices; per token the router's fp32 softmax 4E and the logits the aux loss keeps w*E; a shared
 expert as a dense MLP plus its gated output (w*(4*I_s + H)). Routed experts are never chunked.
+HF's eager attention (no SDPA for the family: gpt-oss's sinks, Gemma 2's softcap) also keeps each head's
+[T, T (+1 sink)] probabilities per row: quadratic in the sequence.
 
 `w` is the compute dtype's width. For Qwen2.5-7B in bf16 that is 95 KB per token: 50 GB at 512K with
 the MLP chunked (the unchunked MLP would add 152 KB/token, 79 GB). A checkpoint is w*H = 7 KB/token,
@@ -50,6 +54,7 @@ class ModelShape:
     shared_intermediate: int = 0
     gate_tensors: int = 2  # what an expert's gating keeps per intermediate unit: SwiGLU 2, gpt-oss 5
     dense_intermediate: int = 0  # a dense layer's MLP width between MoE layers (Qwen2/3-MoE), else 0
+    eager: bool = False  # HF's eager attention (no SDPA): it keeps each head's [T, T] probabilities
 
     @property
     def moe(self) -> bool:
@@ -86,6 +91,7 @@ class ModelShape:
         head_dim = int(getattr(config, "head_dim", None) or h // heads)
         inter = int(config.intermediate_size)
         qk_norm = getattr(config, "model_type", "") in ("qwen3", "qwen3_moe")
+        eager = getattr(config, "_attn_implementation", None) == "eager"
         spec = moe_spec(config)
         if spec is not None and not hasattr(model, "layer_specs"):
             from megatrain_cli.models.adapter import ModelAdapter  # a meta model: the exact layer sizes
@@ -105,13 +111,18 @@ class ModelShape:
         rest = (heads, kv_heads, head_dim, int(config.vocab_size), bool(getattr(config, "tie_word_embeddings", False)),
                 qk_norm, numel)
         if spec is None:
-            return cls(*common, inter, *rest)
+            return cls(*common, inter, *rest, eager=eager)
         dense = getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) > 1
         return cls(*common, spec.top_k * spec.expert_intermediate + spec.shared_intermediate, *rest,
                    experts=spec.num_experts, top_k=spec.top_k, expert_intermediate=spec.expert_intermediate,
                    shared_intermediate=spec.shared_intermediate,
                    gate_tensors=5 if getattr(config, "swiglu_limit", None) else 2,
-                   dense_intermediate=inter if dense else 0)
+                   dense_intermediate=inter if dense else 0, eager=eager)
+
+
+def checkpoint_bytes(tokens: int, hidden: int, width: int) -> int:
+    """One activation checkpoint: a layer's input hidden states over `tokens` tokens."""
+    return tokens * hidden * width
 
 
 def _norm_saved(h: int, width: int, lean: bool, input_saved_elsewhere: bool) -> int:
@@ -125,9 +136,10 @@ def _norm_saved(h: int, width: int, lean: bool, input_saved_elsewhere: bool) -> 
     return upcast + width * h + rstd
 
 
-def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_chunked: bool, lean_norms: bool
-                      ) -> dict[str, int]:
-    """What autograd keeps for one recomputed decoder layer over `tokens` tokens, by term."""
+def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_chunked: bool, lean_norms: bool,
+                      seq_len: int | None = None) -> dict[str, int]:
+    """What autograd keeps for one recomputed decoder layer over `tokens` tokens (rows of `seq_len`; None: one
+    row), by term."""
     s, w = shape, width
     per_token = {
         "layer input (the checkpoint, now a leaf)": w * s.hidden,
@@ -143,12 +155,19 @@ def layer_saved_bytes(shape: ModelShape, tokens: int, width: int, *, mlp_chunked
     }
     if s.qk_norm:  # q_norm / k_norm read the projections' outputs, which nothing else keeps
         per_token["q/k RMSNorms"] = (_norm_saved(s.head_dim, w, lean_norms, False) * (s.heads + s.kv_heads))
-    return {k: v * tokens for k, v in per_token.items()}
+    saved = {k: v * tokens for k, v in per_token.items()}
+    if s.eager:  # each row's [T, T + 1] probabilities per head (the +1: gpt-oss's sink column)
+        seq = seq_len or tokens
+        saved[EAGER] = tokens // seq * s.heads * seq * (seq + 1) * w
+    return saved
+
+
+EAGER = "eager attention probabilities (per head, [T, T])"
 
 
 ATTENTION_HALF = ("layer input (the checkpoint, now a leaf)", "input RMSNorm", "q/k/v projections' input",
                    "q, k, v after rotary (SDPA inputs)", "SDPA output + logsumexp", "layer output",
-                   "q/k RMSNorms")
+                   "q/k RMSNorms", EAGER)
 
 
 def backward_checkpoints(plan) -> tuple[int, int]:
@@ -179,6 +198,8 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
         "per-token ids, labels, positions, rotary cos/sin": T * (3 * 8 + 2 * s.head_dim * w),
         "CUDA context + cuBLAS/cuDNN workspaces (reserve)": reserve_bytes,
         "checkpoint offload staging (one in flight)": staging,
+        # Planned beside the rest: exact byte counts allocated once (engine/resident.py), outside the headroom.
+        "resident layers + head (master, moments, weights, gradient)": plan.resident_bytes,
     }
     many = plan.grad_accum > 1
     phases = {}
@@ -224,7 +245,8 @@ def device_terms(s: ModelShape, plan, w: int, layer_slots: int, reserve_bytes: i
                 "layer gradient (fp32 accumulator + autograd's + cast)": s.layer_numel * (4 + 2 * w),
                 "tied LM-head gradient (fp32, until the embedding backward)": V * H * 4 if s.tied else 0}
     # Recorded for every micro-batch before the layer's backward (the engine's _record_layer).
-    saved = layer_saved_bytes(s, T, w, mlp_chunked=plan.mlp_chunk_tokens is not None, lean_norms=plan.lean_norms)
+    saved = layer_saved_bytes(s, T, w, mlp_chunked=plan.mlp_chunk_tokens is not None, lean_norms=plan.lean_norms,
+                              seq_len=plan.seq_len)
     grads = 2 * T * H * w  # the incoming gradients (the engine keeps them) + the residual stream's gradients
     # PyTorch's FlashAttention-2 backward: dq, dk, dv, an fp32 dq accumulator, and with GQA dk/dv
     # expanded to every query head before they are summed per group. cuDNN is taken to be no larger.

@@ -1,9 +1,11 @@
-"""The memory plan: what the recipe needs, by kind, on the host (pageable and pinned) and on the
-device, computed from the model shape alone (nothing allocated). `--dry-run` prints it; the
-pre-flight check compares it with what the machine has and refuses a run that would not fit.
+"""The memory plan: what the recipe needs, by kind, on the host (pageable and pinned) and, on the
+short-context path, on the device, computed from the model shape alone (nothing allocated). `--dry-run`
+prints it; the pre-flight check compares it with what the machine has and refuses a run that would not fit.
+On a lean path the lean plan (lean.py) holds the device figures and this plan only the host's.
 
-Activation figures are estimates for SDPA attention in bf16 and say so; the weight, gradient,
-optimizer and staging figures are exact byte counts of what the engine allocates.
+Activation figures come from lean_terms.py's per-layer model (the lean plan's too: one model, measured
+against real layers there) and say "estimate"; the weight, gradient, optimizer and staging figures are
+exact byte counts of what the engine allocates.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain_cli.engine.plan.lean_terms import ModelShape
+from megatrain_cli.engine.plan.lean_terms import ModelShape, checkpoint_bytes, layer_saved_bytes
 from megatrain_cli.engine.resident import CAST_CHUNK, resident_bytes_per_param
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
 from megatrain_cli.engine.transfer.slots import embedding_rows_pinned, transfer_chunk
@@ -28,7 +30,7 @@ class MemoryPlan:
     params: int
     host: dict = field(default_factory=dict)  # kind -> bytes (pageable tiles)
     pinned: dict = field(default_factory=dict)
-    device: dict = field(default_factory=dict)
+    device: dict = field(default_factory=dict)  # empty on a lean path: the lean plan holds the device figures
     h2d_per_layer: float = 0.0
     keep_blocks: int = 0  # last blocks whose activations are kept instead of recomputed
     resident_layers: int = 0  # first layers whose optimizer state lives on the device
@@ -59,7 +61,8 @@ class MemoryPlan:
 
         table("host, pageable (the tiles)", self.host, self.host_total)
         table("host, pinned (staging + gradient slabs)", self.pinned, self.pinned_total)
-        table("device, peak (estimate)", self.device, self.device_total)
+        if self.device:
+            table("device, peak (estimate)", self.device, self.device_total)
         lines.append(f"  host bytes per parameter, all state: {(self.host_total + self.pinned_total) / self.params:.2f}")
         lines.append(f"  H2D weight transfers per layer per step: {self.h2d_per_layer:.2f}")
         lines.append(f"  blocks keeping their activations (no recompute): {self.keep_blocks}")
@@ -71,10 +74,11 @@ class MemoryPlan:
 def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_size: int, seq_len: int,
               grad_accum: int, checkpoint_interval: int, grad_slabs: int, layer_slots: int = 2,
               loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0,
-              resident_layers: int = 0, master_dtype: torch.dtype = torch.float32) -> MemoryPlan:
+              resident_layers: int = 0, master_dtype: torch.dtype = torch.float32,
+              device_figures: bool = True) -> MemoryPlan:
     """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute);
     `resident_layers`: how many of the first layers keep their optimizer state on the device;
-    `master_dtype`: train.master_weights."""
+    `master_dtype`: train.master_weights; `device_figures` False: the host figures alone (a lean path)."""
     store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype)
     n = store.num_params()
     width = torch.finfo(compute_dtype).bits // 8
@@ -92,28 +96,50 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
         plan.pinned[f"gradient slabs (K={grad_slabs} x {chunk / 1e6:.0f} M elements)"] = grad_slabs * chunk * width
         plan.pinned["embedding rows in / gradients out (power of 2)"] = embedding_rows_pinned(
             micro_batch_size * seq_len * grad_accum, adapter.vocab_size, adapter.hidden_size, width)
+    layers = adapter.num_layers
+    resident_layers = max(0, min(resident_layers, layers))
+    bl = blocks(layers, checkpoint_interval)
+    keep_blocks = max(0, min(keep_blocks, len(bl)))
+    if device_figures:
+        _device_figures(plan, store, width, micro_batch_size=micro_batch_size, seq_len=seq_len,
+                        grad_accum=grad_accum, checkpoint_interval=checkpoint_interval, layer_slots=layer_slots,
+                        loss_chunk_tokens=loss_chunk_tokens, keep_blocks=keep_blocks, resident_layers=resident_layers)
+    plan.keep_blocks = keep_blocks
+    counts = transfers_per_layer(build_schedule(layers, checkpoint_interval, kept_block_ids(len(bl), keep_blocks)),
+                                 layer_slots)
+    plan.h2d_per_layer = sum(counts.get(f"layers.{i}", 0) for i in range(resident_layers, layers)) / layers
+    plan.resident_layers = resident_layers
+    if checkpoint_interval > layer_slots:
+        plan.notes.append(f"checkpoint_interval {checkpoint_interval} > {layer_slots} weight slots: part of "
+                          "each block is streamed a third time for its backward")
+    return plan
+
+
+def _device_figures(plan: MemoryPlan, store: HostStore, width: int, *, micro_batch_size: int, seq_len: int,
+                    grad_accum: int, checkpoint_interval: int, layer_slots: int, loss_chunk_tokens: int,
+                    keep_blocks: int, resident_layers: int) -> None:
+    """The short-context engine's device peak, term by term, into plan.device."""
+    adapter = store.adapter
     h, layers, vocab = adapter.hidden_size, adapter.num_layers, adapter.vocab_size
-    tokens = micro_batch_size * seq_len
+    tokens, big = micro_batch_size * seq_len, store.largest_layer_numel()
     plan.device[f"layer weight slots ({layer_slots} x largest layer)"] = layer_slots * big * width
     plan.device["head weights (norm + LM head)"] = store.layouts["head"].numel * width
     if adapter.tied:
         plan.device["tied embedding table"] = store.layouts["embed"].numel * width
     plan.device["layer gradient (fp32 accumulator + cast)"] = big * (4 + width) + big * width
     plan.device["LM head gradient (fp32)"] = vocab * h * 4
-    resident_layers = max(0, min(resident_layers, layers))
     if resident_layers:
         plan.device[f"resident: {resident_layers} layers + head (master, moments, weights, gradient)"] = \
             resident_device_bytes(store, resident_layers, width)
     bl = blocks(layers, checkpoint_interval)
-    keep_blocks = max(0, min(keep_blocks, len(bl)))
     kept_layers = sum(len(b) for b in bl[len(bl) - keep_blocks:])
-    hidden_bytes = tokens * h * width
-    plan.device["activation checkpoints (estimate)"] = (len(bl) - keep_blocks) * grad_accum * hidden_bytes
-    per_layer = activation_bytes_per_layer(adapter, tokens, width)
-    if getattr(adapter.config, "_attn_implementation", None) == "eager":
-        # HF's eager attention (gpt-oss's sinks, Gemma 2's softcap: no SDPA) keeps each head's [T, T (+1 sink)]
-        # probabilities for its backward: quadratic in the sequence.
-        per_layer += micro_batch_size * int(adapter.config.num_attention_heads) * seq_len * (seq_len + 1) * width
+    plan.device["activation checkpoints (estimate)"] = \
+        (len(bl) - keep_blocks) * grad_accum * checkpoint_bytes(tokens, h, width)
+    shape = ModelShape.of(adapter)
+    # What autograd keeps for one recorded layer (SDPA, HF norms, the MLP whole: the short-context engine's).
+    per_layer = sum(layer_saved_bytes(shape, tokens, width, mlp_chunked=False, lean_norms=False,
+                                      seq_len=seq_len).values())
+    if shape.eager:
         plan.notes.append("eager attention (no SDPA for this family): each layer keeps its [T, T] attention "
                           "probabilities per head; shorter rows or a smaller micro-batch cut it quadratically")
     chunk = min(loss_chunk_tokens, tokens)
@@ -128,15 +154,6 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
         plan.device["loss chunk logits + grads"] = loss_chunk
     else:
         plan.device["recomputed block activations (estimate)"] = recomputed
-    plan.keep_blocks = keep_blocks
-    counts = transfers_per_layer(build_schedule(layers, checkpoint_interval, kept_block_ids(len(bl), keep_blocks)),
-                                 layer_slots)
-    plan.h2d_per_layer = sum(counts.get(f"layers.{i}", 0) for i in range(resident_layers, layers)) / layers
-    plan.resident_layers = resident_layers
-    if checkpoint_interval > layer_slots:
-        plan.notes.append(f"checkpoint_interval {checkpoint_interval} > {layer_slots} weight slots: part of "
-                          "each block is streamed a third time for its backward")
-    return plan
 
 
 def resident_device_bytes(store: HostStore, n: int, width: int) -> int:
@@ -175,17 +192,6 @@ def resolve_resident_layers(setting: int | str, budget_bytes: int | None, **plan
     return choose_resident_layers(budget_bytes, **plan_args)
 
 
-def activation_bytes_per_layer(adapter: ModelAdapter, tokens: int, width: int) -> int:
-    """What autograd keeps for one decoder layer over `tokens` tokens (SDPA attention + SwiGLU MLP):
-    about 10 hidden-sized and 4 intermediate-sized tensors, plus 15% for what the count misses
-    (GQA's expanded K/V, fp32 norm inputs). A mixture-of-experts layer keeps its routed experts' and
-    router's tensors instead of the 4 intermediate-sized ones (lean_terms.ModelShape.mlp_saved_per_token:
-    top_k picks of each token through one expert, not every expert). An estimate, checked against
-    measured peaks."""
-    mlp = ModelShape.of(adapter).mlp_saved_per_token(width)
-    return int(1.15 * tokens * (10 * adapter.hidden_size * width + mlp))
-
-
 def kept_block_ids(n_blocks: int, keep_blocks: int) -> frozenset[int]:
     return frozenset(range(n_blocks - keep_blocks, n_blocks))
 
@@ -208,12 +214,6 @@ def resolve_keep_blocks(setting: int | str, budget_bytes: int | None, **plan_arg
     if plan_args.get("device_type", "cuda") != "cuda" or not budget_bytes:
         return 0
     return choose_keep_blocks(budget_bytes, **plan_args)
-
-
-def preflight(plan: MemoryPlan, *, device: torch.device, device_budget: int | None = None) -> list[str]:
-    """Problems that would make the run fail for memory, each with what to change; [] if it fits."""
-    problem = device_problem(plan, device=device, device_budget=device_budget)
-    return host_problems(plan) + ([problem] if problem else [])
 
 
 def host_problems(plan: MemoryPlan) -> list[str]:

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatrain_cli.engine.plan.lean_terms import checkpoint_bytes
 from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures, recipe_shape
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
 from megatrain_cli.store.tiles import HostStore
@@ -55,7 +56,7 @@ UPDATE_B = 26  # the whole update in one pass
 LAND_B = 4  # the gradient lander: read the pinned slab, write the tile's gradient (bf16)
 RESIDENT_UPDATE_B = 36  # device traffic of their AdamW: p, m, v read + written, the gradient widened through fp32
 # scratch (read 2, write 4, read 4), the bf16 weights written
-HEADROOM = 0.88  # as memory.choose_keep_blocks: room for the allocator's fragmentation and workspaces
+HEADROOM = 0.88  # as memory.choose_keep_blocks: room for the allocator's fragmentation and workspaces (short path)
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     link = {k: getattr(fig, k) for k in ("h2d_gbps", "d2h_gbps", "duplex_gbps")}
     if cuda and all(link.values()):
         h2d_layer = P * w / (link["h2d_gbps"] * 1e9)
-        ckpt = shape.micro_batch_size * shape.seq_len * model.hidden * w * A * cand.offloaded_checkpoints
+        ckpt = cand.offloaded_checkpoints * checkpoint_bytes(tokens, model.hidden, w)
         fwd_pcie = S * h2d_layer + ckpt / (link["d2h_gbps"] * 1e9)
         bwd_pcie = max(bwd_transfers * P * w + ckpt, S * P * w) / (link["duplex_gbps"] * 1e9)
         head_h2d = head * w / (link["h2d_gbps"] * 1e9)
@@ -256,10 +257,10 @@ def _planned(r, adapter, device, cand_engine: dict, budget):
         plan = plan_step(variant, adapter, device)
     except ValueError as err:  # a recipe no plan serves (e.g. packed rows too long for the mask)
         return None, 0, [str(err)]
-    lean = plan.lean
-    dev = lean.predicted_peak if lean is not None else plan.memory.device_total
+    dev = plan.device_bytes
     problems = list(plan.problems)
-    if budget and dev > HEADROOM * budget and not problems:
+    # A lean plan keeps its own headroom (lean.py: 95% of what its resident layers leave, a 1 GiB reserve).
+    if budget and plan.lean is None and dev > HEADROOM * budget and not problems:
         problems.append(f"device memory: about {dev / GiB:.1f} GiB of the {budget / GiB:.1f} GiB budget "
                         f"(over {HEADROOM:.0%}, the headroom the planner keeps for 'auto')")
     return candidate_of(plan, device), dev, problems
