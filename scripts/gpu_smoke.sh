@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Every GPU command the README and the recipes show, each shrunk to seconds, in one device call:
+# train (bf16 / fp32 / bf16 masters, resident auto / 0 / N), bench with and without engine.max_gpu_mem,
+# the long-context path, mixture of experts, eval resident and streamed, export, `megatrain plan`,
+# and `--gpus 2` where two GPUs are present. Exit non-zero when any row fails; a summary table last.
+# Usage (on the GPU machine, repository root): bash scripts/gpu_smoke.sh   Logs: $OUT/smoke (or ./gpu-logs).
+set -u
+OUT=${OUT:-gpu-logs}; LOGS="$OUT/smoke"; mkdir -p "$LOGS"
+W=$(mktemp -d /tmp/megatrain-smoke.XXXX)
+# Our own multi-GPU runs on this workplace's machines leave NVLink multicast off (its KINDS.md says why);
+# users keep NCCL's defaults.
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+python3 -m pip install -q --no-deps --no-build-isolation -e . >"$LOGS/install.log" 2>&1 \
+  || { tail -20 "$LOGS/install.log"; exit 1; }
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+ROWS=(); FAILED=0; N=0
+
+# row NAME TIMEOUT_S COMMAND...: run it, keep its log, note pass/fail, seconds and (for a bench) tokens/s.
+row() {
+  local name=$1 limit=$2; shift 2
+  N=$((N + 1))
+  local log="$LOGS/$(printf %02d $N)-$name.log" t0=$SECONDS rc figure=""
+  echo "=== $name: $*" | tee "$log"
+  timeout "$limit" "$@" >>"$log" 2>&1; rc=$?
+  if [ -f "$W/$name.json" ]; then
+    figure=$(python3 -c "import json,sys; r=json.load(open(sys.argv[1])); r=r[0] if isinstance(r,list) else r; \
+print(f\"{r.get('tokens_per_s',0):,.0f} tok/s\")" "$W/$name.json" 2>/dev/null)
+  fi
+  [ $rc -eq 0 ] || { FAILED=$((FAILED + 1)); tail -5 "$log"; }
+  ROWS+=("$(printf '| %-28s | %-4s | %5ds | %s |' "$name" "$([ $rc -eq 0 ] && echo ok || echo "FAIL($rc)")" \
+    $((SECONDS - t0)) "$figure")")
+}
+
+TINY=recipes/tiny.yaml
+STEPS="train.steps=2 eval.enabled=false logging.dashboard=plain"
+BF16="engine.device=cuda model.dtype=bf16"
+row train-bf16 240 megatrain train $TINY $BF16 $STEPS output_dir=$W/bf16
+row train-fp32-compute 240 megatrain train $TINY engine.device=cuda $STEPS output_dir=$W/fp32
+row train-bf16-masters 240 megatrain train $TINY $BF16 train.master_weights=bf16 $STEPS output_dir=$W/bf16m
+row train-resident-0 240 megatrain train $TINY $BF16 engine.resident_layers=0 $STEPS output_dir=$W/r0
+row train-resident-2 240 megatrain train $TINY $BF16 engine.resident_layers=2 $STEPS output_dir=$W/r2
+row export 120 megatrain export $W/bf16/step_2 $W/bf16-export
+row eval-resident 240 megatrain eval $TINY eval.limit=4 eval.max_new_tokens=16 --model $W/bf16/final --mode resident \
+  --output-dir $W/eval-r
+row eval-streamed 240 megatrain eval $TINY eval.limit=4 eval.max_new_tokens=16 --model preset:0.5b --mode streamed \
+  --output-dir $W/eval-s
+row plan 300 megatrain plan $TINY engine.device=cuda --probe-cache $W/probe
+row dry-run-7b 120 megatrain train recipes/qwen7b.yaml --dry-run model.path=null model.preset=7b
+BENCH="--steps 2 --warmup 1"
+row bench-0.5b-native 300 megatrain bench --model 0.5b --seq 2048 --batch 4 $BENCH --baseline native \
+  --output $W/bench-0.5b-native.json
+row bench-7b-24GiB 400 megatrain bench --model 7b --layers 4 --seq 4096 --batch 8 engine.max_gpu_mem=24GiB $BENCH \
+  --output $W/bench-7b-24GiB.json
+row bench-long-32k 400 megatrain bench --model 0.5b --seq 32k --batch 1 --steps 1 --output $W/bench-long-32k.json
+row bench-moe 400 megatrain bench --model qwen3-30b-a3b --layers 2 --seq 2048 --batch 2 $BENCH \
+  --output $W/bench-moe.json
+if [ "$GPUS" -ge 2 ]; then
+  row bench-gpus-2 400 megatrain bench --gpus 2 --model 0.5b --seq 2048 --batch 2 $BENCH --output $W/bench-gpus-2.json
+  row train-gpus-2 300 megatrain train $TINY --gpus 2 $STEPS output_dir=$W/dp
+else
+  ROWS+=("$(printf '| %-28s | %-4s | %5s | %s |' gpus-2 skip - "one GPU on this machine")")
+fi
+
+{
+  echo "GPU: $(nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | head -1) x $GPUS;" \
+    "$(python3 -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"
+  echo "| row | result | wall | figure |"; echo "| --- | --- | --- | --- |"
+  printf '%s\n' "${ROWS[@]}"
+  echo "$FAILED of $N rows failed"
+} | tee "$OUT/smoke-summary.md"
+rm -rf "$W"
+[ $FAILED -eq 0 ]
