@@ -27,8 +27,6 @@ import sys
 import warnings
 from typing import Callable
 
-import torch
-
 if __name__ == "kernels":
     # Imported by its folder name: the repository root is on sys.path (pytest, `python -m megatrain_cli` or
     # torchrun in a checkout), so this folder shadows PyPI's `kernels`, which transformers >= 5.25 imports.
@@ -37,10 +35,14 @@ if __name__ == "kernels":
     _spec = importlib.machinery.PathFinder.find_spec(
         __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
     if _spec is None:
-        raise ImportError("no module named 'kernels' outside this repository (ours is megatrain_cli.kernels)")
+        # ModuleNotFoundError, as for any missing module: transformers' package probe treats it as "not installed".
+        raise ModuleNotFoundError("no module named 'kernels' outside this repository (ours is megatrain_cli.kernels)",
+                                  name=__name__)
     _real = importlib.util.module_from_spec(_spec)
     sys.modules[__name__] = _real  # the import system returns what sys.modules holds once this file ran
     _spec.loader.exec_module(_real)
+
+import torch  # noqa: E402 (after the hand-over above: a shadowed import needs no torch)
 
 # kind -> (module, public function, reference function)
 KINDS: dict[str, tuple[str, str, str]] = {

@@ -45,7 +45,8 @@ row eval-resident 240 megatrain eval $TINY eval.limit=4 eval.max_new_tokens=16 -
 row eval-streamed 240 megatrain eval $TINY eval.limit=4 eval.max_new_tokens=16 --model preset:0.5b --mode streamed \
   --output-dir $W/eval-s
 row plan 300 megatrain plan $TINY engine.device=cuda --probe-cache $W/probe
-row dry-run-7b 120 megatrain train recipes/qwen7b.yaml --dry-run model.path=null model.preset=7b
+# The 3B preset: a 7B checkpoint (99 GiB) rightly fails the dry run on a 64 GiB disk (exit 3).
+row dry-run-3b 120 megatrain train recipes/qwen7b.yaml --dry-run model.path=null model.preset=3b
 BENCH="--steps 2 --warmup 1"
 row bench-0.5b-native 300 megatrain bench --model 0.5b --seq 2048 --batch 4 $BENCH --baseline native \
   --output $W/bench-0.5b-native.json

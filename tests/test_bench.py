@@ -152,3 +152,19 @@ def test_a_bench_row_records_the_probe_and_the_planners_prediction(tmp_path):
     before = cached[0].stat().st_mtime_ns
     again = run_bench(cpu_recipe(batch=2, seq=32), run, log=lambda m: None)
     assert again.predicted["probe"] == pred["probe"] and cached[0].stat().st_mtime_ns == before
+
+
+def test_engine_max_gpu_mem_caps_the_allocator_of_an_unindexed_cuda_device(monkeypatch):
+    """`torch.device("cuda")` has no index, and torch's set_per_process_memory_fraction refuses it (the
+    24 GiB bench crashed so on the H200): the cap goes to the current device's index."""
+    from types import SimpleNamespace
+
+    from megatrain_cli.bench.runner import cap_allocator
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=96 << 30))
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    assert cap_allocator(torch.device("cuda"), 24 << 30) == 0.25
+    assert cap_allocator(torch.device("cuda", 1), 200 << 30) == 1.0
+    assert calls == [(0.25, 3), (1.0, 1)]

@@ -389,3 +389,15 @@ def test_repo_root_on_sys_path_does_not_shadow_pypi_kernels():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["True", "True", "True"]
+
+
+def test_repo_root_on_sys_path_without_pypi_kernels_is_module_not_found():
+    """Without PyPI's `kernels` (as on transformers < 5.25 machines), `import kernels` from a checkout is a
+    ModuleNotFoundError, which transformers' package probe reads as "not installed" (the H200's transformers
+    5.17 imports the name to probe it). `python -S`: no site-packages, so no PyPI package either."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ("import sys; sys.path.insert(0, {!r})\n"
+            "try:\n    import kernels\nexcept ModuleNotFoundError as err:\n    print('missing', err.name)\n").format(root)
+    out = subprocess.run([sys.executable, "-S", "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["missing", "kernels"]

@@ -90,6 +90,15 @@ class Built:
     allocator: str  # what the CUDA allocator runs with on a lean path ('' otherwise)
 
 
+def cap_allocator(device: torch.device, budget: int) -> float:
+    """Cap torch's allocator on `device` at `budget` bytes; returns the fraction set. torch wants the device's
+    index, and a plain torch.device("cuda") has none: that is the current device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    fraction = min(1.0, budget / torch.cuda.get_device_properties(index).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
+
+
 def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix: str = "[bench]",
           log=print) -> Built:
     """The host store (unless given: several runs may share one initialisation) and the engine, through
@@ -97,8 +106,7 @@ def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix
     plan was made for is the one the run gets."""
     r, device = planned.r, planned.device
     if device.type == "cuda" and r.engine.max_gpu_mem and dist is None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(r.engine.max_gpu_mem) / total), device)
+        cap_allocator(device, parse_bytes(r.engine.max_gpu_mem))
     allocator = lean_allocator(device) if planned.plan.lean is not None else ""
     t0 = time.perf_counter()
     if store is None:
