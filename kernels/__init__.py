@@ -34,15 +34,12 @@ if __name__ == "kernels":
     _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _spec = importlib.machinery.PathFinder.find_spec(
         __name__, [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
-    if _spec is None:
-        # ModuleNotFoundError, as for any missing module: transformers' package probe treats it as "not installed".
-        raise ModuleNotFoundError("no module named 'kernels' outside this repository (ours is megatrain_cli.kernels)",
-                                  name=__name__)
-    _real = importlib.util.module_from_spec(_spec)
-    sys.modules[__name__] = _real  # the import system returns what sys.modules holds once this file ran
-    _spec.loader.exec_module(_real)
+    if _spec is not None:  # none installed: this folder may stand in (transformers < 5.25 imports it to probe)
+        _real = importlib.util.module_from_spec(_spec)
+        sys.modules[__name__] = _real  # the import system returns what sys.modules holds once this file ran
+        _spec.loader.exec_module(_real)
 
-import torch  # noqa: E402 (after the hand-over above: a shadowed import needs no torch)
+import torch  # noqa: E402 (after the hand-over above)
 
 # kind -> (module, public function, reference function)
 KINDS: dict[str, tuple[str, str, str]] = {
