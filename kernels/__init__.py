@@ -14,7 +14,7 @@ kind falls back to its reference for the rest of the process with exactly one wa
 silently wrong. `load(kind)` hands the engine those public functions by name.
 
 This file imports neither triton nor the kernel modules, so the package imports fine without triton.
-Tests: `python -m pytest -q tests/test_kernels.py`; benchmarks on a GPU: `python scripts/bench_kernels.py`.
+Tests: `python -m pytest -q tests/triton/test_kernels.py`; benchmarks on a GPU: `python scripts/bench_kernels.py`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Fused LM head + cross-entropy: loss and both gradients, chunked over tokens.
 
-Test: python -m pytest -q tests/test_kernels.py -k cross_entropy     (CPU: runs under TRITON_INTERPRET=1)
+Test: python -m pytest -q tests/triton/test_kernels.py -k cross_entropy     (CPU: runs under TRITON_INTERPRET=1)
 Bench: python scripts/bench_kernels.py --only fused_linear_cross_entropy   (GPU)
 
 The logits of a 7B model's head are [tokens, 152064]: 20 GB in fp32 for 32k tokens, the largest tensor of

@@ -1,6 +1,6 @@
 """RMSNorm, forward and backward, in the op order of HF's Qwen2RMSNorm / LlamaRMSNorm.
 
-Test: python -m pytest -q tests/test_kernels.py -k rms_norm     (CPU: runs under TRITON_INTERPRET=1)
+Test: python -m pytest -q tests/triton/test_kernels.py -k rms_norm     (CPU: runs under TRITON_INTERPRET=1)
 Bench: python scripts/bench_kernels.py --only rms_norm           (GPU)
 
 HF computes `weight * (x.float() * rsqrt(mean(x.float()^2) + eps)).to(x.dtype)`: the normalised value is

@@ -1,6 +1,6 @@
 """Rotary position embedding applied to q and k, forward and backward, HF convention.
 
-Test: python -m pytest -q tests/test_kernels.py -k rope     (CPU: runs under TRITON_INTERPRET=1)
+Test: python -m pytest -q tests/triton/test_kernels.py -k rope     (CPU: runs under TRITON_INTERPRET=1)
 Bench: python scripts/bench_kernels.py --only rope           (GPU)
 
 HF: `q * cos + rotate_half(q) * sin` with rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]) and cos/sin

@@ -1,6 +1,6 @@
 """SwiGLU, `silu(gate) * up`, forward and backward (the MLP activation of Qwen2 / Llama).
 
-Test: python -m pytest -q tests/test_kernels.py -k swiglu     (CPU: runs under TRITON_INTERPRET=1)
+Test: python -m pytest -q tests/triton/test_kernels.py -k swiglu     (CPU: runs under TRITON_INTERPRET=1)
 Bench: python scripts/bench_kernels.py --only swiglu           (GPU)
 
 Elementwise and memory-bound: eager PyTorch runs silu and the product as two kernels with a rounded

@@ -4,7 +4,7 @@ Shapes follow the published configs (Qwen2.5, Llama 3, Gemma 2 / 3, Phi-4, OLMo 
 Qwen3-MoE, Mixtral and gpt-oss): the common fields
 below, plus what a family's config sets beyond them (`extra`: head_dim, softcaps, sliding windows, two
 RoPE bases, token ids), so that a preset builds the same modules the published checkpoint has;
-tests/test_presets.py checks each parameter count against the published figure. `tiny` is ours, sized
+tests/recipe/test_presets.py checks each parameter count against the published figure. `tiny` is ours, sized
 so that the embedded default trains on two CPU cores in well under three minutes.
 """
 

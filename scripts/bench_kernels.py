@@ -6,7 +6,7 @@ For each kernel and variant (triton | torch | torch.compile of the torch referen
 --reps of forward and of forward+backward (CUDA events), and the peak memory that one forward+backward adds
 to what was allocated before it (torch.cuda.max_memory_allocated delta, inputs excluded, the gradients it
 produces included). `check` is max|out - torch out| / max|torch out| of the forward, a sanity check only
-(the tests in tests/test_kernels.py are the correctness check). A Triton kernel that failed and fell back to
+(the tests in tests/triton/test_kernels.py are the correctness check). A Triton kernel that failed and fell back to
 the reference is reported as such, never timed as Triton.
 
 Shapes: tokens = 8 x 4096, hidden 3584, intermediate 18944, vocab 152064, 28 q heads / 4 kv heads of 128.

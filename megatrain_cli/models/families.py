@@ -1,6 +1,6 @@
 """Which decoder-only families are verified, and the little each needs beyond its HF modules.
 
-A family is VERIFIED when a parity test (tests/test_families.py: a streamed step equals plain HF + torch
+A family is VERIFIED when a parity test (tests/engine/test_families.py: a streamed step equals plain HF + torch
 AdamW within 1e-5, 3 steps, clipping, accumulation, packed rows) covers it. Any other decoder-only causal
 LM runs only with `model.allow_unverified: true`, with a warning; a model that is not a decoder-only causal
 LM is refused (models/adapter.py finds its parts through HF's own API or says what it could not find).
@@ -31,7 +31,7 @@ VERIFIED: dict[str, str] = {
     "olmo2": "OLMo 2 (q/k norms, post-norms)",
 }
 
-# Mixture-of-experts families: their parity test (tests/test_moe.py) also covers the router, the aux loss
+# Mixture-of-experts families: their parity test (tests/engine/test_moe.py) also covers the router, the aux loss
 # and an expert that gets no token.
 VERIFIED_MOE: dict[str, str] = {
     "qwen3_moe": "Qwen3-MoE (top-k softmax router, renormalised top-k)",

@@ -41,7 +41,7 @@ and adds by itself; the FMAs are explicit, where torch's build has them: the ler
 vec::fmadd), and the v update, which torch's compiler contracts as fma(c2*g, g, v*b2) in its vector
 loop and as fma(v, b2, c2*g*g) in its scalar tail (the last numel % 8 elements; so the torch
 2.13.0+cpu and 2.14.1+cu130 wheels do, AVX512 and AVX2 kernels alike). Bit-identity with torch
-therefore depends on how torch's binary was compiled: tests/test_host_kernels.py checks it on the
+therefore depends on how torch's binary was compiled: tests/optim/test_adamw_cpp.py checks it on the
 installed torch. (torch's DEFAULT-capability kernel, for CPUs without AVX2, has no FMAs: there the
 two differ by an ulp or so.) Threads: at::parallel_for over cache-line-aligned
 blocks, i.e. torch's own OpenMP pool and thread count (at::get_num_threads(), also right from a

@@ -15,7 +15,7 @@ HF decoder layer with SDPA; test_lean_layers.py measures the saved tensors of a 
     layer output (held by the engine)            w*H
 
 A mixture-of-experts layer keeps, instead of the MLP intermediates (measured on HF's grouped-mm experts,
-tests/test_moe.py), per token and per routed pick (top_k of them): the gathered input and the weighted
+tests/engine/test_moe.py), per token and per routed pick (top_k of them): the gathered input and the weighted
 expert output w*2H, the gate/up output, activation and product w*4I (gpt-oss's clamped SwiGLU: w*7I) and
 40 bytes of indices; per token the router's fp32 softmax 4E and the logits the aux loss keeps w*E; a shared
 expert as a dense MLP plus its gated output (w*(4*I_s + H)). Routed experts are never chunked.
