@@ -112,6 +112,7 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
     from megatrain_cli.recipe.load import to_dict
     from megatrain_cli.train import resume, stop
     from megatrain_cli.train.sinks import open_sinks
+    from megatrain_cli.train.skips import SkipCount
     from megatrain_cli.train.validation import HeldOut
 
     t = r.train
@@ -133,11 +134,11 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
     engine = build_engine(r, store, plan, device, dist)
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
-    start, skipped = 0, 0
+    start, skips = 0, SkipCount(r, out)
     found = resume.load(store, candidates, auto=r.checkpoint.resume == "auto", dist=dist, lead=lead)
     if found is not None:
         ckpt, state = found
-        start, skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+        start, skips.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
         data.load_state_dict(state["data"])
         if lead:
             print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
@@ -149,7 +150,7 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
         else:
             save = save_checkpoint
         try:
-            save(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},
+            save(store, out, step, {"step": step, "skipped_steps": skips.skipped, "data": data.state_dict()},
                  keep_last_n=r.checkpoint.keep_last_n, tokenizer=tokenizer, source_dir=r.model.path)
         except CheckpointWriteError as err:  # disk full: nothing partial left, the previous one intact
             raise TrainingError(str(err), 1) from None
@@ -185,14 +186,10 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
                     mbs = split_micro_batches(mbs, dist.rank, dist.world)
                 lr = lr_at(step, t, total)
                 res = engine.step(mbs, lr)
-                if res.skipped:
-                    skipped += 1
-                    if t.nan_policy == "stop":
-                        raise TrainingError(f"step {step + 1}: loss {res.loss} / gradient norm {res.grad_norm} is "
-                                            f"not finite (train.nan_policy=stop); the last checkpoint is intact", 1)
+                skips.count(step, res.skipped, res.loss, res.grad_norm)  # a diverged run stops here (exit 1)
                 validate = held_out is not None and held_out.due(step + 1, total)
                 if (step + 1) % r.logging.every_n_steps == 0 or step + 1 == total or validate:
-                    m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skipped,
+                    m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skips.skipped,
                                      step_time=time.perf_counter() - t0, seq_len=t.seq_len,
                                      eta=(time.perf_counter() - t_run) / (step + 1 - start) * (total - step - 1))
                     if validate:  # after the step's figures: the pass neither counts in them nor changes them
