@@ -5,15 +5,21 @@ the user's files byte-identical and nothing left behind.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from tests.helpers_bad_inputs import TINY, megatrain, refused
+from tests.helpers_bad_inputs import TINY, copy_model, make_models, megatrain, refused, snapshot
 
 # A few short steps on the tiny preset: the runs below train for real.
 SHORT = ["train.steps=4", "train.seq_len=64", "train.micro_batch_size=2", "logging.dashboard=off",
          "eval.enabled=false", "eval.every_n_steps=null", "train.warmup_steps=0"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    return make_models(tmp_path_factory.mktemp("models"))
 
 
 def train(tmp_path: Path, *overrides: str):
@@ -34,3 +40,21 @@ def test_a_diverged_run_stops_and_exports_nothing(tmp_path, limits, stopped_at, 
     run = tmp_path / "out"
     assert f"(latest: {run / f'step_{stopped_at - 1}'})" in out and "without writing final/" in out
     assert not (run / "final").exists() and not (run / f"step_{stopped_at}").exists()
+
+
+# ---------------------------------------------------------------- config.json values transformers takes (exit 2)
+@pytest.mark.parametrize("edit,names", [
+    ({"router_aux_loss_coef": float("nan")}, ["router_aux_loss_coef is nan"]),
+    ({"rope_theta": float("inf")}, ["rope_theta is inf"]),
+    ({"rope_scaling": {"type": "linear", "factor": float("-inf")}}, ["rope_scaling.factor is -inf"]),
+    ({"num_experts": 4, "num_experts_per_tok": 8}, ["num_experts_per_tok is 8", "4 experts of num_experts"]),
+    ({"num_local_experts": 2, "num_experts_per_tok": 3}, ["num_experts_per_tok is 3", "num_local_experts"]),
+], ids=["nan", "inf", "nested-inf", "experts-per-token", "local-experts"])
+def test_model_config_with_a_value_training_cannot_use(tmp_path, models, edit, names):
+    model = copy_model(models, "one", tmp_path / "model")
+    config = model / "config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), **edit}))  # NaN, Infinity as JSON has them
+    before = snapshot(model)
+    refused(train(tmp_path, "model.preset=null", f"model.path={model}"), 2, "model.path", str(config), *names)
+    refused(megatrain("eval", "--model", model, "engine.device=cpu"), 2, "--model", str(config), *names)
+    assert snapshot(model) == before and not (tmp_path / "out").exists()
