@@ -58,3 +58,42 @@ def test_model_config_with_a_value_training_cannot_use(tmp_path, models, edit, n
     refused(train(tmp_path, "model.preset=null", f"model.path={model}"), 2, "model.path", str(config), *names)
     refused(megatrain("eval", "--model", model, "engine.device=cpu"), 2, "--model", str(config), *names)
     assert snapshot(model) == before and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- examples with nothing to learn: counted, named
+def chat(prompt: str, reply: str) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}]})
+
+
+def test_examples_left_out_are_counted_and_named(tmp_path):
+    """Prompts longer than train.seq_len and chats whose replies are all empty used to be dropped without a
+    word (or trained with no loss token); they are counted at start, with their records and the fix."""
+    lines = [chat(f"What is {i} + 1?", f"The answer is: {i + 1}") for i in range(9)]
+    lines[2] = lines[5] = chat("word " * 200, "The answer is: 3")  # records 2 and 5: the prompt fills seq_len
+    lines[7] = json.dumps({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""},
+                                        {"role": "user", "content": "Hello?"}, {"role": "assistant", "content": " "}]})
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    before = snapshot(data)
+    result = train(tmp_path, f"data.source={data}", "data.template=plain", "data.test_fraction=0", "train.steps=1",
+                   "checkpoint.export_final=false")
+    assert result.exit_code == 0, result.output
+    assert ("data: 3 of 9 training examples left out: 2: the prompt fills train.seq_len=64 (records 2, 5; raise "
+            "train.seq_len); 1: every assistant reply is empty (record 7;") in result.output
+    assert snapshot(data) == before
+
+
+@pytest.mark.parametrize("records,names", [
+    ([{"query": "What is 1 + 1?", "response": float("nan")}, {"query": "And 2 + 2?", "response": float("inf")}],
+     ["2 of 2 training examples left out", "field 'response' is nan, not text (record 0", "is inf, not text (record 1"]),
+    ([{"query": "word " * 200, "response": "The answer is: 3"}] * 3,
+     ["3 of 3 training examples left out", "the prompt fills train.seq_len=64 (records 0, 1, 2; raise train.seq_len)"]),
+    ([{"query": "What is 1 + 1?", "response": ""}] * 2, ["every assistant reply is empty (records 0, 1"]),
+], ids=["nan-values", "prompts-too-long", "empty-replies"])
+def test_data_with_nothing_left_to_learn_is_refused(tmp_path, records, names):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))  # NaN, Infinity as Python's JSON writes them
+    before = snapshot(data)
+    refused(train(tmp_path, f"data.source={data}", "data.test_fraction=0"), 2, str(data), "nothing left to train on",
+            *names)
+    assert snapshot(data) == before and not (tmp_path / "out").exists()

@@ -15,6 +15,8 @@ data/preference.py for the preference methods; here, on the supervised path, it 
 
 from __future__ import annotations
 
+import math
+
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
 from megatrain_cli.data.answers import extract_answer
@@ -108,7 +110,12 @@ def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str)
         where = f"{label}: record {i}"
         if not isinstance(record, dict):
             raise DataError(f"{where} is a {type(record).__name__}, expected an object with fields")
-        example = convert(record, fmt, fields, where)
+        try:
+            example = convert(record, fmt, fields, where)
+        except _NotText as err:  # JSON's NaN / Infinity (or a parquet null float) where text belongs
+            examples.append(Example("", "", record=i, unusable=f"field {err.args[0]!r} is {err.args[1]}, not text"))
+            continue
+        example.record = i
         system = record.get(system_field)
         if isinstance(system, str) and system.strip() and not any(t["role"] == "system" for t in example.history):
             example.history.insert(0, {"role": "system", "content": system})
@@ -129,6 +136,10 @@ def _refuse_preference(fmt: str, label: str, what: str) -> None:
 
 
 # ---------------------------------------------------------------- per-format conversion
+class _NotText(Exception):
+    """(field name, value): a NaN or infinite number where a text field belongs; the record is left out."""
+
+
 def _get_text(record: dict, fmt: str, canonical: str, fields: dict, where: str, required: bool = True) -> str:
     name = field_name(fmt, canonical, fields, record)
     if name not in record or record[name] is None:
@@ -138,6 +149,8 @@ def _get_text(record: dict, fmt: str, canonical: str, fields: dict, where: str, 
         raise DataError(f"{where}: missing field {name!r} (format {fmt}; fields present: "
                         f"{', '.join(map(str, record)) or '(none)'}){override}")
     value = record[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _NotText(name, value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):

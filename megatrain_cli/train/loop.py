@@ -83,6 +83,9 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> i
     lead = dist is None or dist.rank == 0  # the one process that prints, logs, exports and holds the lock
     watch = StopWatch(r.train.max_wall_time)  # a bad value is refused here, before anything is written
     out = Path(r.output_dir)
+    # The data and the checkpoint to resume, each refused when it cannot be right: before anything is written.
+    data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out)
+    made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if the run writes nothing
     out.mkdir(parents=True, exist_ok=True)
     lock, problem = OutputLock(out), None
     if lead:
@@ -95,38 +98,57 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> i
 
         problems = gather_problems(dist, problem)
         problem = problems[0].removeprefix("rank 0: ") if problems else None
-    if problem:
-        raise TrainingError(problem, 2)
     try:
-        return _run(r, device, tokenizer, config, plan, dist, lead, out, watch, pred)
+        if problem:
+            raise TrainingError(problem, 2)
+        return _run(r, device, config, plan, dist, lead, out, watch, pred, tokenizer, data, held_out, total,
+                    candidates)
     finally:
         lock.release()
+        for d in made:  # the folders this run made, when it wrote nothing in them (a refusal): gone again
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
-def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path, watch, pred) -> int:
-    from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
-    from megatrain_cli.dashboard import Dashboard
+def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path):
+    """(training rows, held-out rows or None, the run's last step, the checkpoints to resume from): read
+    and checked before output_dir is touched. What the data leaves out (nothing to learn) is said here."""
     from megatrain_cli.data import build_train_data, load_examples, split_examples
-    from megatrain_cli.metrics.step import step_metrics
-    from megatrain_cli.optim.host_adamw import lr_at
-    from megatrain_cli.recipe.load import to_dict
-    from megatrain_cli.train import resume, stop
-    from megatrain_cli.train.sinks import open_sinks
-    from megatrain_cli.train.skips import SkipCount
+    from megatrain_cli.data.train_data import left_out_report
+    from megatrain_cli.train import resume
     from megatrain_cli.train.validation import HeldOut
 
     t = r.train
     examples = load_examples(r.data)
     train_ex, test_ex = split_examples(examples, r.data)
     data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
+    if lead and (data.left_out or data.truncated):
+        what = [left_out_report(data.left_out, len(train_ex))] if data.left_out else []
+        if data.truncated:
+            what.append(f"{data.truncated} cut at train.seq_len={t.seq_len} (the end of their reply is lost)")
+        print(f"data: {'; '.join(what)}", file=sys.stderr)
     held_out = HeldOut.build(r, test_ex, tokenizer, dist)  # None unless eval.every_n_steps is set
     total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
                                                                                               t.grad_accum)))
     total_text = f"train.steps={t.steps}" if t.steps is not None else f"train.epochs={t.epochs}"
-    # Which checkpoint, refused when it cannot be right: before anything is built or written.
     candidates = resume.choose(r.checkpoint.resume, out, total, total_text, lead, t.master_weights)
-    if lead:
-        (out / "recipe.yaml").write_text(render_yaml(r))
+    return data, held_out, total, candidates
+
+
+def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pred, tokenizer, data, held_out,
+         total: int, candidates) -> int:
+    from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
+    from megatrain_cli.dashboard import Dashboard
+    from megatrain_cli.metrics.step import step_metrics
+    from megatrain_cli.optim.host_adamw import lr_at
+    from megatrain_cli.recipe.load import to_dict
+    from megatrain_cli.train import resume, stop
+    from megatrain_cli.train.sinks import open_sinks
+    from megatrain_cli.train.skips import SkipCount
+
+    t = r.train
     long_ctx = plan.lean
     if long_ctx is not None:
         lean_allocator(device)
@@ -160,6 +182,8 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
     try:
         # metrics.jsonl, TensorBoard, W&B, MLflow: each gets every logged step's record (train/sinks.py).
         logs = open_sinks(r.logging, out, start=start, config=to_dict(r)) if lead else []
+        if lead:  # last of what may refuse the run (the resume read, the sinks): a refused run writes nothing
+            (out / "recipe.yaml").write_text(render_yaml(r))
         with stop.watching(), Dashboard(r.logging.dashboard if lead else "off", total_steps=total,
                                         title=f"megatrain {r.output_dir}",
                                         val_every=held_out.every if held_out else None) as dash:
