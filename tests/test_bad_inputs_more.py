@@ -97,3 +97,29 @@ def test_data_with_nothing_left_to_learn_is_refused(tmp_path, records, names):
     refused(train(tmp_path, f"data.source={data}", "data.test_fraction=0"), 2, str(data), "nothing left to train on",
             *names)
     assert snapshot(data) == before and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- the disk: the dry run asks what the writer asks
+def test_dry_run_asks_the_disk_space_the_checkpoint_writer_asks(tmp_path, monkeypatch):
+    """The dry run said "fits" for 13 MiB where the writer then asked 41.8 MiB (its room for the side files)."""
+    import torch
+
+    from megatrain_cli.checkpoint.layout import checkpoint_bytes
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+    from megatrain_cli.recipe import load_recipe
+    from megatrain_cli.store.tiles import HostStore
+    from megatrain_cli.train import preflight
+    from megatrain_cli.train.setup import model_config
+
+    store = build_store(model_config(load_recipe(TINY), load_bundled_tokenizer()), torch.float32, seed=0)
+    need = checkpoint_bytes(store)  # what save_checkpoint asks before it writes
+    assert need == checkpoint_bytes(HostStore(store.adapter, torch.float32, allocate=False))
+    args = ["train", TINY, "--dry-run", "checkpoint.export_final=false", "eval.enabled=false",
+            f"output_dir={tmp_path / 'out'}"]
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: need - 1)
+    dry = megatrain(*args)
+    assert dry.exit_code == 3 and f"needs about {need / 2**20:.1f} MiB" in dry.output, dry.output
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: need)
+    assert megatrain(*args).exit_code == 0
+    assert not (tmp_path / "out").exists()

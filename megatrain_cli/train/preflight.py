@@ -20,7 +20,6 @@ from megatrain_cli.recipe import Recipe
 from megatrain_cli.train.errors import TrainingError
 from megatrain_cli.train.model_files import check_model_dir
 
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + two fp32 Adam moments (gradients are not saved)
 DATA_SAMPLE = 64  # records read up front when the whole data set is not needed (eval off)
 
 
@@ -209,17 +208,20 @@ def disk_problem(key: str, path: str | Path, need: int, what: str) -> str:
 
 
 def run_disk_problem(r: Recipe, config) -> str:
-    """What a run writes at once, against free space under output_dir: a resumable checkpoint (masters and
-    moments: every run ends with one, train/loop.py) and, with export_final, final/ (the weights in
-    model.dtype) beside it; '' when it fits."""
+    """What a run writes at once, against free space under output_dir: a resumable checkpoint (every run ends
+    with one, train/loop.py), asked as its writer asks (checkpoint_bytes: masters, moments, room for the side
+    files), and with export_final, final/ (the weights in model.dtype) beside it; '' when it fits."""
+    from megatrain_cli.checkpoint.layout import checkpoint_bytes
     from megatrain_cli.models.adapter import ModelAdapter
-    from megatrain_cli.store.tiles import HostStore
+    from megatrain_cli.store.tiles import MASTER_DTYPES, HostStore
     from megatrain_cli.train.setup import DTYPES
 
-    params = HostStore(ModelAdapter(config), DTYPES[r.model.dtype], allocate=False).num_params()
-    need, what = params * CHECKPOINT_BYTES_PER_PARAM, "a checkpoint (fp32 masters and Adam moments)"
+    store = HostStore(ModelAdapter(config), DTYPES[r.model.dtype], allocate=False,
+                      master_dtype=MASTER_DTYPES[r.train.master_weights])
+    need, what = checkpoint_bytes(store), "a checkpoint (masters, Adam moments, config and tokenizer)"
     if r.checkpoint.export_final:
-        need, what = need + params * DTYPES[r.model.dtype].itemsize, what + " and final/ (the exported weights)"
+        need += store.num_params() * DTYPES[r.model.dtype].itemsize
+        what += " and final/ (the exported weights)"
     return disk_problem("output_dir", r.output_dir, need, what)
 
 
