@@ -123,3 +123,12 @@ def test_dry_run_asks_the_disk_space_the_checkpoint_writer_asks(tmp_path, monkey
     monkeypatch.setattr(preflight, "free_bytes", lambda path: need)
     assert megatrain(*args).exit_code == 0
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- a setting one process has, refused with --gpus
+@pytest.mark.parametrize("dry", [[], ["--dry-run"]], ids=["run", "dry-run"])
+def test_resident_layers_with_several_ranks_is_refused(tmp_path, dry):
+    """Planned and printed as 2, run as 0 before: the sharded store keeps no layer on the device."""
+    refused(train(tmp_path, "--gpus", "2", "engine.resident_layers=2", "train.grad_accum=2", *dry), 2,
+            "engine.resident_layers=2", "--gpus 2", "engine.resident_layers=0")
+    assert not (tmp_path / "out").exists()
