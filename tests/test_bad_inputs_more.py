@@ -132,3 +132,18 @@ def test_resident_layers_with_several_ranks_is_refused(tmp_path, dry):
     refused(train(tmp_path, "--gpus", "2", "engine.resident_layers=2", "train.grad_accum=2", *dry), 2,
             "engine.resident_layers=2", "--gpus 2", "engine.resident_layers=0")
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- megatrain plan: the probe checked before it runs
+def test_plan_refuses_a_probe_the_host_cannot_hold(tmp_path, monkeypatch):
+    """The 7B preset's layer timed on a CPU machine ran until the kernel's OOM killer ended it (exit 137)."""
+    from tests.helpers_bad_inputs import fake_cgroup
+
+    fake_cgroup(tmp_path, monkeypatch, 2 * 2**30)
+    cache = tmp_path / "probe"
+    out = refused(megatrain("plan", TINY, "model.preset=7b", "engine.device=cpu", "--probe-cache", cache), 3,
+                  "host memory", "timing one layer of this model on cpu", "GiB are free under cgroup v2 memory.max",
+                  "nothing was probed", "engine.device=cuda")
+    need = float(out.split("needs about ")[1].split(" GiB")[0])
+    assert need > 10  # the embedding and LM head at full size (0.5 G params each) and a 7B layer, with Adam
+    assert not cache.exists()
