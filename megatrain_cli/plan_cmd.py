@@ -51,7 +51,7 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
             announced.append(True)
         log(f"  {line}")
 
-    from megatrain_cli.engine.layer_probe import measure_layer, probe_memory_problem
+    from megatrain_cli.engine.layer_probe import measure_layer, probe_memory_problem, to_measure
     from megatrain_cli.engine.plan.step_plan import plan_step
 
     try:  # the recipe as written: its lean plan (if any) is how the engine runs the probed layer
@@ -59,6 +59,11 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
     except ValueError:
         as_written = None  # no plan serves it: choose() below says why
     shape = recipe_shape(r, device, as_written)
+    if any(to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)):
+        # The cache is written after probing: one that cannot be is refused first, not after the measurement.
+        from megatrain_cli.engine.plan.probe import default_cache_dir
+
+        preflight.check_output_dir(cache_dir or default_cache_dir(), "--probe-cache")
     problem = probe_memory_problem(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)
     if problem:
         gpu = " (engine.device=cuda here plans for a GPU without timing the layer)" if device.type == "cpu" else ""

@@ -147,3 +147,62 @@ def test_plan_refuses_a_probe_the_host_cannot_hold(tmp_path, monkeypatch):
     need = float(out.split("needs about ")[1].split(" GiB")[0])
     assert need > 10  # the embedding and LM head at full size (0.5 G params each) and a 7B layer, with Adam
     assert not cache.exists()
+
+
+# ---------------------------------------------------------------- paths a setting writes: named, not a raw [Errno N]
+@pytest.mark.parametrize("sink,taken,key", [
+    ("logging.tensorboard=true", "tensorboard", "logging.tensorboard"),
+    ("logging.jsonl=true", "metrics.jsonl", "logging.jsonl"),
+    ("logging.mlflow=true", "mlruns", "logging.mlflow"),
+], ids=["tensorboard-is-a-file", "metrics-is-a-folder", "mlruns-is-a-file"])
+def test_a_sinks_path_taken_by_the_wrong_kind(tmp_path, sink, taken, key):
+    out = tmp_path / "out"
+    out.mkdir()
+    if taken.endswith(".jsonl"):
+        (out / taken).mkdir()
+        (out / taken / "mine.txt").write_text("mine")
+    else:
+        (out / taken).write_text("mine")
+    before = snapshot(out)
+    for dry in ([], ["--dry-run"]):
+        refused(train(tmp_path, sink, *dry), 2, key, str(out / taken))
+        assert snapshot(out) == before and sorted(p.name for p in out.iterdir()) == [taken]
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_at_once(tmp_path):
+    """4 min of MLflow's own retries, then exit 2 with files left in output_dir, before."""
+    import socket
+    import time
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    uri = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    refused(train(tmp_path, "logging.mlflow=true", f"logging.mlflow_tracking_uri={uri}"), 2,
+            "logging.mlflow_tracking_uri", uri, "does not answer", "logging.mlflow=false")
+    assert time.monotonic() - t0 < 60 and not (tmp_path / "out").exists()
+
+
+def test_data_cache_dir_that_cannot_be_written(tmp_path):
+    if not Path("/sys/kernel").is_dir():
+        pytest.skip("needs Linux sysfs")
+    refused(train(tmp_path, "data.cache_dir=/sys/kernel/megatrain-tokens"), 2, "data.cache_dir", "/sys/kernel",
+            "data.cache_dir=off")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("cache", ["file", "read-only"])
+def test_plan_probe_cache_that_cannot_be_written_is_refused_before_probing(tmp_path, cache):
+    if cache == "file":
+        path = tmp_path / "probe"
+        path.write_text("mine")
+    elif Path("/sys/kernel").is_dir():
+        path = Path("/sys/kernel/megatrain-probe")
+    else:
+        pytest.skip("needs Linux sysfs")
+    out = refused(megatrain("plan", TINY, "engine.device=cpu", "--probe-cache", path), 2, "--probe-cache",
+                  str(path if cache == "file" else "/sys/kernel"))
+    assert "probing this machine" not in out
+    if cache == "file":
+        assert path.read_text() == "mine"

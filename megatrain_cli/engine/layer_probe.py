@@ -62,18 +62,25 @@ def host_bytes_to_measure(adapter, *, micro_batch_size: int, seq_len: int, dtype
 MACHINE_PROBE_BYTES = 320 << 20  # measure_machine's host tile (256 MiB) and its bf16 cast target
 
 
+def to_measure(adapter, *, cache_dir=None, reprobe: bool = False, **shape) -> tuple[bool, bool]:
+    """(the machine, the layer): what load_or_probe would measure now, the rest being cached (and a layer on
+    CUDA is timed only where there is a GPU). Both False: the probe writes nothing."""
+    from megatrain_cli.engine.plan.probe import read_cached
+
+    cached = None if reprobe else read_cached(adapter, cache_dir=cache_dir, **shape)
+    here = shape["device"].type != "cuda" or torch.cuda.is_available()
+    return cached is None, (cached is None or cached.layer is None) and here
+
+
 def probe_memory_problem(adapter, *, cache_dir=None, reprobe: bool = False, **shape) -> str:
     """'' when what load_or_probe is about to measure (recipe_shape's keys in `shape`) fits the host memory
     free now, else the problem with both figures: checked before probing, since a probe past the limit is
     ended by the kernel's OOM killer with no word."""
-    from megatrain_cli.engine.plan.probe import read_cached
     from megatrain_cli.machine import effective_host_limit
 
-    cached = None if reprobe else read_cached(adapter, cache_dir=cache_dir, **shape)
+    machine, layer = to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)
     device = shape["device"]
-    need = 0 if cached is not None else MACHINE_PROBE_BYTES
-    if (cached is None or cached.layer is None) and (device.type != "cuda" or torch.cuda.is_available()):
-        need += host_bytes_to_measure(adapter, **shape)
+    need = (MACHINE_PROBE_BYTES if machine else 0) + (host_bytes_to_measure(adapter, **shape) if layer else 0)
     limit = effective_host_limit()
     if not limit.available or need <= limit.available:  # 0 free: unknown (no Linux), not full
         return ""

@@ -42,15 +42,28 @@ def check_inputs(r: Recipe, *, dry_run: bool) -> None:
     cache = r.data.cache_dir
     if cache not in ("auto", "off") and Path(cache).exists() and not Path(cache).is_dir():
         raise TrainingError(f"data.cache_dir: {cache} is a file; give a folder, auto or off", 2)
+    if cache not in ("auto", "off"):  # written after tokenising: a read-only one would be found mute
+        check_output_dir(cache, "data.cache_dir", "pick another data.cache_dir, or data.cache_dir=off (no cache)")
     check_resume(r.checkpoint.resume)
     check_output_dir(r.output_dir, "output_dir")
+    from megatrain_cli.train.sinks import path_problems
+
+    taken = path_problems(r.logging, Path(r.output_dir))
+    if taken:
+        raise TrainingError("\n".join(taken), 2)
     if dry_run:
         return
+    from megatrain_cli.metrics.trackers import server_problem
     from megatrain_cli.train.sinks import missing_packages
 
     missing = missing_packages(r.logging)  # tensorboard, wandb, mlflow: optional extras
     if missing:
         raise TrainingError("\n".join(missing), 2)
+    uri = r.logging.mlflow_tracking_uri
+    unreachable = server_problem(uri) if r.logging.mlflow and uri else ""
+    if unreachable:
+        raise TrainingError(f"logging.mlflow_tracking_uri: {uri}: {unreachable}; start it or fix the URI, or set "
+                            f"logging.mlflow=false. Nothing was written", 2)
     check_data(r)
 
 
@@ -110,23 +123,24 @@ def read_model_config(r: Recipe, tokenizer):
 
 
 # ---------------------------------------------------------------- output folders and disk space
-def check_output_dir(path: str | Path, key: str) -> Path:
+def check_output_dir(path: str | Path, key: str, fix: str | None = None) -> Path:
     """`path` is a folder, or can be made, and can be written; returns the nearest existing folder at or
     above it. Nothing is created there but a probe folder, removed at once (a permission bit, a read-only
-    mount and root's exemptions all answer to a real attempt)."""
+    mount and root's exemptions all answer to a real attempt). `fix`: what to do (default: pick another `key`)."""
     p = Path(path)
+    fix = fix or f"pick another {key}"
     if p.exists() and not p.is_dir():
-        raise TrainingError(f"{key}: {p} is a file, not a folder; pick another {key}", 2)
+        raise TrainingError(f"{key}: {p} is a file, not a folder; {fix}", 2)
     anchor = existing_parent(p)
     if not anchor.is_dir():
-        raise TrainingError(f"{key}: {anchor} is a file, so {p} cannot be made under it; pick another {key}", 2)
+        raise TrainingError(f"{key}: {anchor} is a file, so {p} cannot be made under it; {fix}", 2)
     try:
         if not os.access(anchor, os.W_OK | os.X_OK):
             raise PermissionError(13, "permission denied")
         os.rmdir(tempfile.mkdtemp(prefix=".megatrain-write-test-", dir=anchor))
     except OSError as err:
-        raise TrainingError(f"{key}: cannot write in {anchor} ({err.strerror or err}); pick a writable {key}",
-                            2) from None
+        raise TrainingError(f"{key}: cannot write in {anchor} ({err.strerror or err}); "
+                            f"{fix if fix != f'pick another {key}' else f'pick a writable {key}'}", 2) from None
     return anchor
 
 
