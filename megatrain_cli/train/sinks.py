@@ -17,18 +17,18 @@ def open_sinks(logging_cfg, out: Path, *, start: int, config: dict | None = None
     its key, after the sinks already open are closed."""
     name = logging_cfg.run_name or out.resolve().name
     sinks: list[MetricsSink] = []
-    try:
-        if logging_cfg.jsonl:
-            logs.keep_steps_up_to(out / "metrics.jsonl", start)
-            sinks.append(logs.JsonlLog(out / "metrics.jsonl"))
-        if logging_cfg.tensorboard:
-            sinks.append(logs.TensorBoardLog(out / "tensorboard"))
-        if logging_cfg.wandb != "off":
-            sinks.append(trackers.WandbLog(out, mode=logging_cfg.wandb, project=logging_cfg.project, name=name,
-                                           config=config))
+    try:  # the trackers first: one that cannot start (a server, a login) refuses the run before a file is made
         if logging_cfg.mlflow:
             uri = logging_cfg.mlflow_tracking_uri or str(out.resolve() / "mlruns")
             sinks.append(trackers.MlflowLog(uri, experiment=logging_cfg.project, name=name, config=config))
+        if logging_cfg.wandb != "off":
+            sinks.append(trackers.WandbLog(out, mode=logging_cfg.wandb, project=logging_cfg.project, name=name,
+                                           config=config))
+        if logging_cfg.tensorboard:
+            sinks.append(logs.TensorBoardLog(out / "tensorboard"))
+        if logging_cfg.jsonl:
+            logs.keep_steps_up_to(out / "metrics.jsonl", start)
+            sinks.append(logs.JsonlLog(out / "metrics.jsonl"))
     except BaseException:
         for sink in sinks:
             sink.close()
