@@ -206,3 +206,53 @@ def test_plan_probe_cache_that_cannot_be_written_is_refused_before_probing(tmp_p
     assert "probing this machine" not in out
     if cache == "file":
         assert path.read_text() == "mine"
+
+
+# ---------------------------------------------------------------- data as other tools write it
+def test_a_llama_factory_alpaca_entry_reads_as_llama_factory_writes_it(tmp_path, models):
+    """No `formatting` (LLaMA-Factory's default: alpaca), columns prompt / query / response / system / history:
+    refused before, with `prompt` listed as unsupported."""
+    from megatrain_cli.data import load_examples
+    from megatrain_cli.recipe import DataConfig
+
+    (tmp_path / "alpaca.json").write_text(json.dumps([
+        {"instruction": "Add 1 and 2.", "input": "", "output": "The answer is: 3", "system": "Be brief.",
+         "history": [["Hi", "Hello!"]]},
+        {"instruction": "Add 2 and 2.", "input": "in numbers", "output": "The answer is: 4", "history": []}]))
+    registry = tmp_path / "dataset_info.json"
+    registry.write_text(json.dumps({"my_alpaca": {"file_name": "alpaca.json", "columns": {
+        "prompt": "instruction", "query": "input", "response": "output", "system": "system", "history": "history"}}}))
+    before = snapshot(tmp_path)
+    first, second = load_examples(DataConfig(source="registry:my_alpaca", registry=str(registry)))
+    assert (first.prompt, first.response, second.prompt) == ("Add 1 and 2.", "The answer is: 3",
+                                                              "Add 2 and 2.\n\nin numbers")
+    assert first.history == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                             {"role": "assistant", "content": "Hello!"}]
+    result = megatrain("eval", "--model", models / "one", "engine.device=cpu", "--split", "all",
+                       "data.source=registry:my_alpaca", f"data.registry={registry}", "eval.max_new_tokens=2",
+                       "--output-dir", tmp_path / "ev")
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "ev" / "results.json").read_text())["total"] == 2
+    assert {k: v for k, v in snapshot(tmp_path).items() if "/ev/" not in k} == before
+
+
+def parts_chat(*parts) -> str:
+    return json.dumps({"messages": [{"role": "user", "content": list(parts)},
+                                    {"role": "assistant", "content": [{"type": "text", "text": "The answer is: 2"}]}]})
+
+
+def test_chat_content_given_as_parts(tmp_path):
+    """OpenAI's content parts: the text parts read, joined; said 'missing field' while listing it as present."""
+    from megatrain_cli.data import load_examples
+    from megatrain_cli.recipe import DataConfig
+
+    data = tmp_path / "chats.jsonl"
+    data.write_text(parts_chat({"type": "text", "text": "What is "}, {"type": "text", "text": "1 + 1?"}) + "\n")
+    (ex,) = load_examples(DataConfig(source=str(data)))
+    assert (ex.prompt, ex.response, ex.chat) == ("What is 1 + 1?", "The answer is: 2", True)
+    data.write_text(parts_chat({"type": "text", "text": "What is this?"},
+                               {"type": "image_url", "image_url": {"url": "x.png"}}) + "\n")
+    before = snapshot(data)
+    out = refused(train(tmp_path, f"data.source={data}", "data.template=plain"), 2, str(data), "record 0",
+                  "messages[0].content[1]", "'image_url'", "only text parts")
+    assert "missing field" not in out and snapshot(data) == before and not (tmp_path / "out").exists()
