@@ -256,3 +256,21 @@ def test_chat_content_given_as_parts(tmp_path):
     out = refused(train(tmp_path, f"data.source={data}", "data.template=plain"), 2, str(data), "record 0",
                   "messages[0].content[1]", "'image_url'", "only text parts")
     assert "missing field" not in out and snapshot(data) == before and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- text that is not UTF-8: the file and line named
+def test_not_utf8_names_the_file_and_line(tmp_path, models):
+    good = chat("What is 1 + 1?", "The answer is: 2").encode()
+    chats = tmp_path / "chats.jsonl"
+    chats.write_bytes(good + b"\n" + good + b"\n" + json.dumps({"messages": [{"role": "user", "content": "Caf\u00e9?"}], "x": 1}, ensure_ascii=False).encode("latin-1") + b"\n")
+    recipe = tmp_path / "latin1.yaml"
+    recipe.write_bytes(TINY.read_bytes().replace(b"model:", "# r\u00e9sum\u00e9\nmodel:".encode("latin-1"), 1))
+    garbled = tmp_path / "test.json"
+    garbled.write_bytes(b'[{"question": "1 + 1?",\n  "answer": "#### 2 \xff\xfe"}]')
+    before = snapshot(tmp_path)
+    refused(train(tmp_path, f"data.source={chats}", "data.template=plain"), 2, f"{chats} line 3", "not UTF-8",
+            "0xe9")
+    refused(megatrain("train", recipe, f"output_dir={tmp_path / 'out'}"), 2, f"{recipe} line 6", "not UTF-8")
+    refused(megatrain("eval", "--model", models / "one", f"data.test_source={garbled}", "engine.device=cpu",
+                      "--output-dir", tmp_path / "ev"), 2, f"{garbled} line 2", "not UTF-8", "0xff")
+    assert snapshot(tmp_path) == before

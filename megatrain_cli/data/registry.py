@@ -33,6 +33,7 @@ import yaml
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.formats import PREFERENCE_FORMATS, REQUIRED_FIELDS, valid_field_keys
 from megatrain_cli.recipe.checks import REGISTRY_PREFIX as PREFIX
+from megatrain_cli.recipe.load import not_utf8, read_utf8
 
 KEYS = ("path", "hub", "subset", "split", "format", "columns", "max_samples")
 # LLaMA-Factory's names for the same keys.
@@ -70,7 +71,9 @@ def read_registry(path: str | None, key: str) -> dict[str, dict]:
     if not file.is_file():
         raise DataError(f"data.registry: file not found: {file}")
     try:
-        entries = yaml.safe_load(file.read_text(encoding="utf-8"))  # YAML reads JSON too
+        entries = yaml.safe_load(read_utf8(file))  # YAML reads JSON too
+    except UnicodeDecodeError as err:
+        raise DataError(f"data.registry: {not_utf8(file, file.read_bytes(), err)}") from None
     except yaml.YAMLError as err:
         raise DataError(f"data.registry: {file} is not valid YAML or JSON ({err})") from None
     if not isinstance(entries, dict) or not entries:
