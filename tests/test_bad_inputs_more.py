@@ -274,3 +274,28 @@ def test_not_utf8_names_the_file_and_line(tmp_path, models):
     refused(megatrain("eval", "--model", models / "one", f"data.test_source={garbled}", "engine.device=cpu",
                       "--output-dir", tmp_path / "ev"), 2, f"{garbled} line 2", "not UTF-8", "0xff")
     assert snapshot(tmp_path) == before
+
+
+# ---------------------------------------------------------------- a refused run writes nothing
+def corrupt(tile: Path) -> None:
+    """Bytes changed in the middle of a tile file, its size kept: found only when the data is read (CRC)."""
+    data = bytearray(tile.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 16):  # in the masters (the moments of step_1 are zeros)
+        data[i] ^= 0xFF
+    tile.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("resume", ["auto", "path"])
+def test_a_refused_resume_leaves_the_old_run_as_it_was(tmp_path, models, resume):
+    """The old run's recipe.yaml was rewritten (and metrics.jsonl touched) before the resume was refused."""
+    import shutil
+
+    old = Path(shutil.copytree(models / "run", tmp_path / "old"))
+    (old / "recipe.yaml").write_text("# the old run's recipe\n")
+    (old / "metrics.jsonl").write_text('{"step": 1, "loss": 6.0}\n')
+    corrupt(old / "step_1" / "tiles" / "layers.0.safetensors")
+    before = snapshot(old)
+    where = old if resume == "auto" else tmp_path / "new"
+    refused(megatrain("train", TINY, *SHORT, f"output_dir={where}",
+                      f"checkpoint.resume={'auto' if resume == 'auto' else old / 'step_1'}"), 2, "step_1")
+    assert snapshot(old) == before and not (tmp_path / "new").exists()
