@@ -51,15 +51,27 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
             announced.append(True)
         log(f"  {line}")
 
-    from megatrain_cli.engine.layer_probe import measure_layer
+    from megatrain_cli.engine.layer_probe import measure_layer, probe_memory_problem, to_measure
     from megatrain_cli.engine.plan.step_plan import plan_step
 
     try:  # the recipe as written: its lean plan (if any) is how the engine runs the probed layer
         as_written = plan_step(r, adapter, device)
     except ValueError:
         as_written = None  # no plan serves it: choose() below says why
-    probe = load_or_probe(adapter, measure_layer=measure_layer, **recipe_shape(r, device, as_written),
-                          cache_dir=cache_dir, reprobe=reprobe, log=progress)
+    shape = recipe_shape(r, device, as_written)
+    if any(to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)):
+        # The cache is written after probing: one that cannot be is refused first, not after the measurement.
+        from megatrain_cli.engine.plan.probe import default_cache_dir
+
+        preflight.check_output_dir(cache_dir or default_cache_dir(), "--probe-cache")
+    problem = probe_memory_problem(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)
+    if problem:
+        gpu = " (engine.device=cuda here plans for a GPU without timing the layer)" if device.type == "cpu" else ""
+        raise TrainingError(f"megatrain plan: {problem}; nothing was probed. Run `megatrain plan` on the machine "
+                            f"that will train it{gpu}, or lower train.seq_len / train.micro_batch_size; `megatrain "
+                            f"train RECIPE --dry-run` gives the memory plan without probing", 3)
+    probe = load_or_probe(adapter, measure_layer=measure_layer, **shape, cache_dir=cache_dir, reprobe=reprobe,
+                          log=progress)
     preds = choose(r, adapter, device, probe.machine, probe.layer, clipped=clipped)
     print(render(r, probe, preds, device))
     return 0 if preds and preds[0].fits else 3

@@ -17,12 +17,16 @@ from megatrain_cli.engine.plan.probe import Probe
 
 def probe_for(planned, *, cache_dir: str | Path | None = None, log=print) -> Probe:
     """This machine's figures and the layer's timing at the row's shape (measured now when not cached)."""
-    from megatrain_cli.engine.layer_probe import measure_layer
-    from megatrain_cli.engine.plan.probe import load_or_probe, recipe_shape
+    from megatrain_cli.engine.layer_probe import measure_layer, to_measure
+    from megatrain_cli.engine.plan.probe import default_cache_dir, load_or_probe, recipe_shape
     from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.train.preflight import check_output_dir
 
-    return load_or_probe(ModelAdapter(planned.config), measure_layer=measure_layer,
-                         **recipe_shape(planned.r, planned.device, planned.plan), cache_dir=cache_dir,
+    adapter, shape = ModelAdapter(planned.config), recipe_shape(planned.r, planned.device, planned.plan)
+    if any(to_measure(adapter, cache_dir=cache_dir, **shape)):  # its figures go to the cache after measuring
+        check_output_dir(cache_dir or default_cache_dir(), "bench: the probe cache", "move that file or make the "
+                         "folder writable (the planner's probe, whose prediction each row records, writes there)")
+    return load_or_probe(adapter, measure_layer=measure_layer, **shape, cache_dir=cache_dir,
                          log=lambda line: log(f"[bench] {line}"))
 
 

@@ -36,14 +36,14 @@ import re
 import shutil
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
 from megatrain_cli.checkpoint.format import (CheckpointError, CheckpointSettingError, fsync_dir, publish_dir, read_into,
                                              read_safetensors_header, safetensors_header, seal_file,
                                              seal_tree, tensor_bytes, write_all, write_file_durably)
-from megatrain_cli.store.tiles import HostStore, Tile
+from megatrain_cli.store.tiles import HostStore, Tile, TileLayout
 
 FORMAT = "megatrain-checkpoint"
 VERSION = 1
@@ -88,7 +88,7 @@ def check_master_weights(store, manifest: dict[str, Any], path: Path) -> None:
 
 def section_dtypes(tile: Tile, master_dtype: torch.dtype | None = None) -> list[tuple[str, torch.dtype]]:
     """(section, dtype in the file) in file order; the masters' dtype is the file's (default: the tile's)."""
-    master = tile.master.dtype if master_dtype is None else master_dtype
+    master = tile.master_dtype if master_dtype is None else master_dtype
     return [(s, master if s == "master" else torch.float32) for s in SECTIONS]
 
 
@@ -120,6 +120,24 @@ def tile_file_bytes(tile: Tile) -> int:
     """The size write_tile gives the tile's file (header + the masters + two fp32 moments)."""
     return len(safetensors_header(_tile_entries(tile), {"format": FORMAT, "tile": tile.name,
                                                          "step": str(tile.step)})) + _data_bytes(tile)
+
+
+class _TileShape(NamedTuple):
+    """What tile_file_bytes reads of a tile, for a store built without its memory (allocate=False)."""
+    name: str
+    layout: TileLayout
+    numel: int
+    master_dtype: torch.dtype
+    step: int
+
+
+def checkpoint_bytes(store: HostStore) -> int:
+    """The disk space save_checkpoint asks for before it writes a byte: every tile's file and room for the
+    side files. The one figure of the writer and of `train --dry-run`, whose store has layouts and no
+    memory (HostStore(..., allocate=False)); its tiles' step counts are taken as 0 (a few header bytes)."""
+    tiles = list(store.tiles.values()) or [_TileShape(name, layout, layout.numel, store.master_dtype, 0)
+                                           for name, layout in store.layouts.items()]
+    return sum(map(tile_file_bytes, tiles)) + SIDE_FILES_BYTES
 
 
 def write_tile(tile: Tile, path: Path) -> dict[str, Any]:

@@ -14,9 +14,9 @@ from typing import Any
 
 from megatrain_cli.checkpoint.format import (CheckpointError, check_free_space, fsync_dir, remove_interrupted,
                                              removed_on_failure)
-from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES, VERSION, event,
+from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, VERSION, checkpoint_bytes, event,
                                              manifest_master_dtype, master_weights, model_summary, read_tile,
-                                             seal_and_publish, tile_file_bytes, write_side_files, write_tile)
+                                             seal_and_publish, write_side_files, write_tile)
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -33,7 +33,7 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
         fsync_dir(output_dir.parent)  # make the new directory's own entry durable
     final, tmp = output_dir / f"step_{step}", output_dir / f".step_{step}.tmp"
     remove_interrupted(output_dir)  # temp dirs of killed saves (this step's included): only holding space
-    need = sum(tile_file_bytes(t) for t in store.tiles.values()) + SIDE_FILES_BYTES
+    need = checkpoint_bytes(store)  # train --dry-run asks the same figure
     check_free_space(output_dir, need, final.name)
     with removed_on_failure(tmp, final.name, need):
         (tmp / "tiles").mkdir(parents=True)

@@ -14,6 +14,10 @@ class Example:
     # turns of a multi-turn chat (supervised too with data.train_on all_assistant), few-shot examples.
     history: list[dict] = field(default_factory=list)
     chat: bool = False  # read from a chat layout (messages / conversations): rendered with a chat template
+    record: int = field(default=-1, compare=False)  # its record's index in the source (named when left out)
+    # Why the record cannot be read (a NaN where text belongs); '' when it can. Kept in place so the seeded
+    # split stays the same; training and eval leave it out, and training says so.
+    unusable: str = ""
 
     def messages(self) -> list[dict]:
         """The whole conversation, ending in the reply."""

@@ -15,6 +15,8 @@ data/preference.py for the preference methods; here, on the supervised path, it 
 
 from __future__ import annotations
 
+import math
+
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
 from megatrain_cli.data.answers import extract_answer
@@ -25,7 +27,7 @@ REQUIRED_FIELDS = {
     "alpaca": ("instruction", "output"),
     "messages": ("messages",),
 }
-OPTIONAL_FIELDS = {"alpaca": ("input",)}
+OPTIONAL_FIELDS = {"alpaca": ("input", "history")}  # history: earlier [instruction, output] pairs (LLaMA-Factory's)
 SYSTEM_KEY = "system"
 DETECTION_ORDER = ("messages", "metamathqa", "gsm8k", "alpaca")
 GOLD_KEY = "gold"
@@ -108,7 +110,12 @@ def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str)
         where = f"{label}: record {i}"
         if not isinstance(record, dict):
             raise DataError(f"{where} is a {type(record).__name__}, expected an object with fields")
-        example = convert(record, fmt, fields, where)
+        try:
+            example = convert(record, fmt, fields, where)
+        except _NotText as err:  # JSON's NaN / Infinity (or a parquet null float) where text belongs
+            examples.append(Example("", "", record=i, unusable=f"field {err.args[0]!r} is {err.args[1]}, not text"))
+            continue
+        example.record = i
         system = record.get(system_field)
         if isinstance(system, str) and system.strip() and not any(t["role"] == "system" for t in example.history):
             example.history.insert(0, {"role": "system", "content": system})
@@ -129,6 +136,10 @@ def _refuse_preference(fmt: str, label: str, what: str) -> None:
 
 
 # ---------------------------------------------------------------- per-format conversion
+class _NotText(Exception):
+    """(field name, value): a NaN or infinite number where a text field belongs; the record is left out."""
+
+
 def _get_text(record: dict, fmt: str, canonical: str, fields: dict, where: str, required: bool = True) -> str:
     name = field_name(fmt, canonical, fields, record)
     if name not in record or record[name] is None:
@@ -138,6 +149,8 @@ def _get_text(record: dict, fmt: str, canonical: str, fields: dict, where: str, 
         raise DataError(f"{where}: missing field {name!r} (format {fmt}; fields present: "
                         f"{', '.join(map(str, record)) or '(none)'}){override}")
     value = record[name]
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _NotText(name, value)
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if not isinstance(value, str):
@@ -156,7 +169,21 @@ def _alpaca(record: dict, fmt: str, fields: dict, where: str) -> Example:
     instruction = _get_text(record, fmt, "instruction", fields, where)
     extra = _get_text(record, fmt, "input", fields, where, required=False)
     prompt = f"{instruction}\n\n{extra}" if extra.strip() else instruction
-    return Example(prompt, _get_text(record, fmt, "output", fields, where))
+    return Example(prompt, _get_text(record, fmt, "output", fields, where), history=_alpaca_history(record, fields,
+                                                                                                    where))
+
+
+def _alpaca_history(record: dict, fields: dict, where: str) -> list[dict]:
+    """LLaMA-Factory's alpaca `history`: earlier [instruction, output] pairs, as user / assistant turns."""
+    name = field_name("alpaca", "history", fields)
+    pairs = record.get(name)
+    if pairs is None:
+        return []
+    if not isinstance(pairs, list) or not all(isinstance(p, (list, tuple)) and len(p) == 2
+                                              and all(isinstance(t, str) for t in p) for p in pairs):
+        raise DataError(f"{where}: field {name!r} should be a list of [instruction, output] pairs of text "
+                        f"(LLaMA-Factory's alpaca history), got {str(pairs)[:80]}")
+    return [{"role": role, "content": text} for pair in pairs for role, text in zip(("user", "assistant"), pair)]
 
 
 def _messages(record: dict, fmt: str, fields: dict, where: str) -> Example:
@@ -181,15 +208,40 @@ def read_message(turn, where: str) -> dict:
     """One chat message ({role, content} or ShareGPT's {from, value}) with its role's canonical name."""
     if not isinstance(turn, dict):
         raise DataError(f"{where}: expected an object with role and content, got {type(turn).__name__}")
-    role = turn.get("role", turn.get("from"))
-    content = turn.get("content", turn.get("value"))
-    if not isinstance(role, str) or not isinstance(content, str):
-        raise DataError(f"{where}: missing field 'role' or 'content' (fields present: {', '.join(turn)})")
+    role_key = next((k for k in ("role", "from") if k in turn), None)
+    content_key = next((k for k in ("content", "value") if k in turn), None)
+    if role_key is None or content_key is None:
+        missing = "'role' (or 'from')" if role_key is None else "'content' (or 'value')"
+        raise DataError(f"{where}: missing field {missing} (fields present: {', '.join(map(str, turn)) or 'none'})")
+    role, content = turn[role_key], turn[content_key]
+    if isinstance(content, list):  # OpenAI's content parts: [{type: text, text: ...}, ...]
+        content = _text_parts(content, f"{where}.{content_key}")
+    if not isinstance(role, str):
+        raise DataError(f"{where}: field {role_key!r} should be text, got {type(role).__name__}")
+    if not isinstance(content, str):
+        raise DataError(f"{where}: field {content_key!r} should be text or a list of text parts, got "
+                        f"{type(content).__name__} {str(content)[:40]}")
     role = ROLE_ALIASES.get(role, role)
     if role not in ROLES:
         raise DataError(f"{where}: unknown role {role!r} (known: {', '.join(ROLES)}; ShareGPT's "
                         f"{', '.join(ROLE_ALIASES)} are read as user / assistant)")
     return {"role": role, "content": content}
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """A message's content given as parts: the text parts joined as chat templates join them (one after the
+    other); any other part (an image, audio) is refused by its type, since training reads text only."""
+    texts = []
+    for k, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind == "text" and isinstance(part.get("text"), str):
+            texts.append(part["text"])
+        elif kind == "text":
+            raise DataError(f"{where}[{k}]: a text part needs a 'text' field of text")
+        else:
+            raise DataError(f"{where}[{k}]: a part of type {kind!r}; only text parts ({{type: text, text: ...}}) "
+                            f"can be trained on: remove the others or the record")
+    return "".join(texts)
 
 
 def _gold(record: dict, gold_field: str, where: str) -> str | None:

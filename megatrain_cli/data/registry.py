@@ -14,8 +14,8 @@ The file (`data.registry`, YAML or JSON) maps each name to an entry:
       max_samples: 5000
 
 LLaMA-Factory's dataset_info.json reads as it is where it describes the same things: `file_name`,
-`hf_hub_url`, `subset`, `split`, `num_samples`, `formatting` (alpaca / sharegpt), its alpaca columns
-(prompt / query / response / system) and `tags` with the two chat layouts' own names. Its preference
+`hf_hub_url`, `subset`, `split`, `num_samples`, `formatting` (alpaca / sharegpt; alpaca when left out, as
+LLaMA-Factory reads it), its alpaca columns (prompt / query / response / system / history) and `tags` with the two chat layouts' own names. Its preference
 entries read too: `ranking: true` with columns chosen / rejected (format `preference`), and KTO's `kto_tag`
 column (format `unpaired_preference`), in either formatting (data/preference.py reads the records). Anything
 else (tools, images, custom role names) is refused by name, never ignored. Reading the file costs a YAML
@@ -33,6 +33,7 @@ import yaml
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.formats import PREFERENCE_FORMATS, REQUIRED_FIELDS, valid_field_keys
 from megatrain_cli.recipe.checks import REGISTRY_PREFIX as PREFIX
+from megatrain_cli.recipe.load import not_utf8, read_utf8
 
 KEYS = ("path", "hub", "subset", "split", "format", "columns", "max_samples")
 # LLaMA-Factory's names for the same keys.
@@ -70,7 +71,9 @@ def read_registry(path: str | None, key: str) -> dict[str, dict]:
     if not file.is_file():
         raise DataError(f"data.registry: file not found: {file}")
     try:
-        entries = yaml.safe_load(file.read_text(encoding="utf-8"))  # YAML reads JSON too
+        entries = yaml.safe_load(read_utf8(file))  # YAML reads JSON too
+    except UnicodeDecodeError as err:
+        raise DataError(f"data.registry: {not_utf8(file, file.read_bytes(), err)}") from None
     except yaml.YAMLError as err:
         raise DataError(f"data.registry: {file} is not valid YAML or JSON ({err})") from None
     if not isinstance(entries, dict) or not entries:
@@ -98,6 +101,8 @@ def _spec(name: str, entry, file: Path, where: str) -> DatasetSpec:
     ranking = entry.pop("ranking", False)
     if not isinstance(ranking, bool):
         raise DataError(f"{where}: ranking should be true or false, got {ranking!r}")
+    if "format" not in entry and "formatting" not in entry and any(k in entry for k in ("file_name", "hf_hub_url")):
+        entry["formatting"] = "alpaca"  # a LLaMA-Factory entry: its formatting defaults to alpaca
     entry = {KEY_ALIASES.get(k, k): v for k, v in entry.items()}
     unknown = [k for k in entry if k not in KEYS]
     if unknown:
@@ -153,6 +158,7 @@ def _columns(columns, fmt: str, where: str) -> dict:
         columns = {ALPACA_COLUMNS.get(k, k): v for k, v in columns.items()}
     unknown = [k for k in columns if k not in valid_field_keys()]
     if unknown:
-        raise DataError(f"{where}: unsupported column(s) {', '.join(map(repr, unknown))} (known: "
-                        f"{', '.join(valid_field_keys())}; alpaca also prompt / query / response)")
+        known = dict.fromkeys([*valid_field_keys(), *(ALPACA_COLUMNS if fmt == "alpaca" else ())])
+        raise DataError(f"{where}: unsupported column(s) {', '.join(map(repr, unknown))} (known for format {fmt}: "
+                        f"{', '.join(known)})")
     return dict(columns)

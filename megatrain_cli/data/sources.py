@@ -15,6 +15,7 @@ from pathlib import Path
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.sample_pref import GENERATED
 from megatrain_cli.recipe.checks import REGISTRY_PREFIX
+from megatrain_cli.recipe.load import not_utf8, read_utf8
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUILTIN_SOURCES = {"sample_math": ASSETS_DIR / "sample_math.jsonl"}  # made by data/sample_math.py
@@ -107,10 +108,14 @@ def _read_file(path: Path, split: str | None, max_records: int | None) -> list[d
 
 def _read_jsonl(path: Path, max_records: int | None) -> list[dict]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, decoded line by line: a line that is not UTF-8 is named
+        for line_no, raw in enumerate(f, 1):
             if max_records is not None and len(records) >= max_records:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataError(not_utf8(path, raw, err, line_no)) from None
             if not line.strip():
                 continue
             try:
@@ -121,7 +126,10 @@ def _read_jsonl(path: Path, max_records: int | None) -> list[dict]:
 
 
 def _read_json(path: Path, split: str | None, max_records: int | None) -> list[dict]:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = read_utf8(path)
+    except UnicodeDecodeError as err:
+        raise DataError(not_utf8(path, path.read_bytes(), err)) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as err:

@@ -39,14 +39,14 @@ class TrainData:
 
     def __init__(self, tokens: torch.Tensor, offsets: torch.Tensor, loss_mask: torch.Tensor,
                  rows: list[list[int]], *, seq_len: int, pad_token_id: int, seed: int, packing: bool,
-                 truncated: int = 0, dropped: int = 0):
+                 truncated: int = 0, left_out: dict[str, list[int]] | None = None):
         self.tokens = tokens  # int32, every kept example's ids back to back
         self.offsets = offsets  # int64 [n + 1]: example i is tokens[offsets[i]:offsets[i + 1]]
         self.loss_mask = loss_mask  # bool, like tokens: True where the token is a label
         self.rows = rows  # example indices per row
         self.seq_len, self.pad_token_id, self.seed, self.packing = seq_len, pad_token_id, seed, packing
         self.truncated = truncated  # examples cut to seq_len (the end of their last reply is lost)
-        self.dropped = dropped  # examples with no label left within seq_len (nothing to learn)
+        self.left_out = left_out or {}  # why -> the records left out for it (nothing to learn in them)
         self.num_examples = len(offsets) - 1
         self.num_rows = len(rows)
         self.real_tokens = int(offsets[-1])  # non-pad tokens per epoch
@@ -66,6 +66,11 @@ class TrainData:
                 "packing": self.packing, "real_tokens": self.real_tokens, "loss_tokens": self.loss_tokens,
                 "fill": self.real_tokens / (self.num_rows * self.seq_len), "truncated": self.truncated,
                 "dropped": self.dropped}
+
+    @property
+    def dropped(self) -> int:
+        """Examples left out (nothing to learn in them)."""
+        return sum(map(len, self.left_out.values()))
 
     # ------------------------------------------------------------ batches
     def next_step(self, micro_batch_size: int, grad_accum: int) -> list[MicroBatch]:
@@ -161,22 +166,36 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, seq_len: int,
                      seed: int) -> TrainData:
-    """Tokenise, truncate to seq_len, and lay out the rows (packed or one example each)."""
+    """Tokenise, truncate to seq_len, and lay out the rows (packed or one example each). Examples with nothing
+    to learn are left out, each reason's record numbers kept (`TrainData.left_out`, `left_out_report`)."""
     label = source_label(data_cfg)
     if not examples:
         raise DataError(f"{label}: no training examples")
     if seq_len < 2:
         raise ValueError(f"seq_len must be >= 2, got {seq_len}")
+    left_out: dict[str, list[int]] = {}  # why -> the records left out for it
+    usable = []
+    for ex in examples:
+        why = ex.unusable or ("" if any(t["content"].strip() for t in ex.messages() if t["role"] == "assistant")
+                              else EMPTY_REPLIES)
+        if why:
+            left_out.setdefault(why, []).append(ex.record)
+        else:
+            usable.append(ex)
     chunks: list[np.ndarray] = []  # int32 tokens, one array per tokenised batch
     mask_chunks: list[np.ndarray] = []  # their loss mask
     lengths: list[int] = []
-    truncated = dropped = 0
-    for ids_batch, mask_batch in cached_tokenized(examples, tokenizer, data_cfg.template, data_cfg.train_on,
-                                                  data_cfg.num_proc, data_cfg.cache_dir):
+    truncated = 0
+    records = iter([ex.record for ex in usable])
+    batches = cached_tokenized(usable, tokenizer, data_cfg.template, data_cfg.train_on, data_cfg.num_proc,
+                               data_cfg.cache_dir) if usable else []
+    for ids_batch, mask_batch in batches:
         kept_ids, kept_masks = [], []
         for ids, mask in zip(ids_batch, mask_batch):
-            if not any(mask[:seq_len]):
-                dropped += 1  # the prompt alone fills seq_len (or the example has no reply to learn)
+            record = next(records)
+            if not any(mask[:seq_len]):  # nothing to learn: no reply token, or none within seq_len
+                why = NO_REPLY if not any(mask) else f"the prompt fills train.seq_len={seq_len}"
+                left_out.setdefault(why, []).append(record)
                 continue
             if len(ids) > seq_len:
                 truncated += 1
@@ -188,12 +207,31 @@ def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, s
         chunks.append(np.fromiter(itertools.chain.from_iterable(kept_ids), dtype=np.int32, count=n_tokens))
         mask_chunks.append(np.fromiter(itertools.chain.from_iterable(kept_masks), dtype=np.bool_, count=n_tokens))
     if not lengths:
-        raise DataError(f"{label}: no example has a reply token within its first seq_len={seq_len} tokens (the "
-                        f"prompts fill them), so nothing is left to train on; raise train.seq_len")
+        raise DataError(f"{label}: nothing left to train on: {left_out_report(left_out, len(examples))}")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     tokens = torch.from_numpy(np.concatenate(chunks))
     loss_mask = torch.from_numpy(np.concatenate(mask_chunks))
     rows = pack_rows(lengths, seq_len) if data_cfg.packing else [[i] for i in range(len(lengths))]
     return TrainData(tokens, offsets, loss_mask, rows, seq_len=seq_len, pad_token_id=pad_id(tokenizer), seed=seed,
-                     packing=data_cfg.packing, truncated=truncated, dropped=dropped)
+                     packing=data_cfg.packing, truncated=truncated, left_out=left_out)
+
+
+EMPTY_REPLIES = "every assistant reply is empty"
+NO_REPLY = "no reply token to learn (with data.train_on=last_assistant: the last reply is empty)"
+FIXES = dict.fromkeys((EMPTY_REPLIES, NO_REPLY), "fill in the replies or remove those records")
+
+
+def left_out_report(left_out: dict[str, list[int]], total: int, shown: int = 5) -> str:
+    """'3 of 10 training examples left out: 2: the prompt fills train.seq_len=64 (records 1, 5; raise
+    train.seq_len); ...': each reason with its count, its first `shown` record numbers (from 0, in the
+    source's order) and the fix."""
+    parts = []
+    for why, records in sorted(left_out.items(), key=lambda kv: -len(kv[1])):
+        ids = sorted(records)
+        more = f", ... ({len(ids) - shown} more)" if len(ids) > shown else ""
+        fix = FIXES.get(why, "raise train.seq_len" if why.startswith("the prompt fills") else "fix or remove them")
+        parts.append(f"{len(ids)}: {why} (record{'s' if len(ids) > 1 else ''} "
+                     f"{', '.join(map(str, ids[:shown]))}{more}; {fix})")
+    n = sum(map(len, left_out.values()))
+    return f"{n} of {total} training examples left out: " + "; ".join(parts)

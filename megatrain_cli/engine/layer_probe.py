@@ -43,6 +43,54 @@ def cut_config(adapter):
     return type(adapter.config).from_dict(data), [types.count(t) for t in distinct]
 
 
+def host_bytes_to_measure(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
+                          loss_chunk_tokens: int = 4096, **_shape) -> int:
+    """The host memory measure_layer takes at this shape, by the planner's arithmetic (engine/plan/memory.py)
+    over the cut model: its store (the embedding and the LM head at full size), pinned staging on CUDA, and on
+    the CPU, where the 'device' is the host, the step's buffers and activations too. What `megatrain plan`
+    and `bench` compare with the machine before probing (a 7B layer timed on the CPU needs tens of GiB)."""
+    from megatrain_cli.engine.plan.memory import make_plan
+    from megatrain_cli.models.adapter import ModelAdapter
+
+    cuda = device.type == "cuda"
+    cut, counts = cut_config(adapter)
+    plan = make_plan(ModelAdapter(cut), dtype, micro_batch_size=micro_batch_size, seq_len=seq_len, grad_accum=1,
+                     checkpoint_interval=1, grad_slabs=2, loss_chunk_tokens=loss_chunk_tokens,
+                     device_type=device.type, resident_layers=len(counts) if cuda else 0)
+    return plan.host_total + plan.pinned_total + (0 if cuda else plan.device_total)
+
+
+MACHINE_PROBE_BYTES = 320 << 20  # measure_machine's host tile (256 MiB) and its bf16 cast target
+
+
+def to_measure(adapter, *, cache_dir=None, reprobe: bool = False, **shape) -> tuple[bool, bool]:
+    """(the machine, the layer): what load_or_probe would measure now, the rest being cached (and a layer on
+    CUDA is timed only where there is a GPU). Both False: the probe writes nothing."""
+    from megatrain_cli.engine.plan.probe import read_cached
+
+    cached = None if reprobe else read_cached(adapter, cache_dir=cache_dir, **shape)
+    here = shape["device"].type != "cuda" or torch.cuda.is_available()
+    return cached is None, (cached is None or cached.layer is None) and here
+
+
+def probe_memory_problem(adapter, *, cache_dir=None, reprobe: bool = False, **shape) -> str:
+    """'' when what load_or_probe is about to measure (recipe_shape's keys in `shape`) fits the host memory
+    free now, else the problem with both figures: checked before probing, since a probe past the limit is
+    ended by the kernel's OOM killer with no word."""
+    from megatrain_cli.machine import effective_host_limit
+
+    machine, layer = to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)
+    device = shape["device"]
+    need = (MACHINE_PROBE_BYTES if machine else 0) + (host_bytes_to_measure(adapter, **shape) if layer else 0)
+    limit = effective_host_limit()
+    if not limit.available or need <= limit.available:  # 0 free: unknown (no Linux), not full
+        return ""
+    return (f"host memory: timing one layer of this model on {device.type} at {shape['micro_batch_size']} x "
+            f"{shape['seq_len']} tokens needs about {need / 2**30:.1f} GiB (the embedding and the LM head at full "
+            f"size, one layer, its optimizer state{', a step on the CPU' if device.type == 'cpu' else ''}), and "
+            f"{limit.available / 2**30:.1f} GiB are free under {limit.source}")
+
+
 class OpClock:
     """Seconds of each op of one step as the device runs it: a CUDA event after each op's launches (the
     engine's on_op hook), read after the step; the host runs ahead, so the gap between two events is the

@@ -132,6 +132,7 @@ def select_examples(cfg: DataConfig, split: str, limit: int | None, examples=Non
     if split != "all":
         train, test = split_examples(examples, cfg)
         examples = test if split == "test" else train
+    examples = [ex for ex in examples if not ex.unusable]  # a NaN where text belongs, every reply empty
     if limit is not None:
         examples = examples[:limit]
     if not examples:

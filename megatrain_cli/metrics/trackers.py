@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -69,6 +70,23 @@ class WandbLog(MetricsSink):
         if self._run is not None:
             self._run.finish()
             self._run = None
+
+
+def server_problem(uri: str, timeout: float = 5.0) -> str:
+    """'' when an http(s) tracking URI's host takes a TCP connection within `timeout` seconds (a folder or a
+    database URI: ''), else why not. Asked before the run writes anything: MLflow's client retries an
+    unreachable server with its own backoff for minutes before it gives up."""
+    parsed = urlparse(uri)
+    if parsed.scheme not in ("http", "https"):
+        return ""
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+        with socket.create_connection((parsed.hostname or "", port), timeout=timeout):
+            return ""
+    except (OSError, ValueError) as err:  # refused, timed out, no such host; a bad port number
+        if isinstance(err, TimeoutError):
+            return f"the server does not answer (no connection within {timeout:g} s)"
+        return f"the server does not answer ({getattr(err, 'strerror', None) or err})"
 
 
 @contextlib.contextmanager

@@ -101,6 +101,9 @@ def _check_train(r: Recipe, problems: list[str], for_training: bool) -> None:
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         problems.append(f"train.min_lr_ratio: must be in [0, 1], got {t.min_lr_ratio}")
     _at_least(problems, "train.warmup_steps", t.warmup_steps, 0)
+    if not 0.0 <= t.max_skipped_fraction <= 1.0:
+        problems.append(f"train.max_skipped_fraction: must be in [0, 1] (1: no limit), got {t.max_skipped_fraction}")
+    _at_least(problems, "train.max_skipped_steps", t.max_skipped_steps, 1, nullable=True)
     _positive_amount(problems, "train.max_wall_time", t.max_wall_time, parse_duration, "; null: no limit")
     if t.master_weights == "bf16" and r.model.dtype == "fp32":
         problems.append("train.master_weights: bf16 masters need model.dtype bf16 (with model.dtype fp32 the "

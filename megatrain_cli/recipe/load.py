@@ -136,6 +136,21 @@ def apply_overrides(data: dict, overrides: list[str], problems: list[str]) -> di
     return data
 
 
+def read_utf8(path: Path) -> str:
+    """A text file every user of it reads as UTF-8, whatever the machine's locale (UnicodeDecodeError: not_utf8
+    says where)."""
+    return path.read_bytes().decode("utf-8")
+
+
+def not_utf8(path: str | Path, data: bytes, err: UnicodeDecodeError, first_line: int = 1) -> str:
+    """Where `data` (the bytes of `path` from line `first_line` on) stops being UTF-8, and the fix: a file saved
+    in Latin-1 or another code page, or a binary file given as text."""
+    line = first_line + data.count(b"\n", 0, err.start)
+    column = err.start - data.rfind(b"\n", 0, err.start)
+    return (f"{path} line {line}: not UTF-8 text (byte {data[err.start]:#04x} at column {column}); save the file "
+            f"as UTF-8 (e.g. `iconv -f latin1 -t utf-8`)")
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] = (), *, for_training: bool = True) -> Recipe:
     """Read a YAML recipe (or start from defaults when path is None), apply overrides, validate.
     `for_training` False: a recipe without a model or a run length passes (recipe/checks.py)."""
@@ -147,7 +162,9 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), *, for_train
         if not p.is_file():
             raise RecipeError([f"recipe file not found: {p}"], source)
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(read_utf8(p)) or {}
+        except UnicodeDecodeError as err:
+            raise RecipeError([not_utf8(p, p.read_bytes(), err)], source) from None
         except yaml.YAMLError as err:
             raise RecipeError([f"not valid YAML: {err}"], source) from err
         if not isinstance(data, dict):

@@ -101,6 +101,13 @@ class TrainConfig:
     seed: int = doc("Seed for data order.", 42)
     nan_policy: Literal["skip", "stop"] = doc("On a NaN/Inf loss or gradient: skip the step (counted) or stop.",
                                               "skip")
+    max_skipped_fraction: float = doc(
+        "nan_policy=skip: the largest share of the steps run so far that may be skipped, checked after every "
+        "step; past it the run has diverged (a learning rate far too high, broken data or model config) and "
+        "stops with exit 1, the last checkpoint kept and no final/ written. 1.0: no limit.", 0.5)
+    max_skipped_steps: Optional[int] = doc(
+        "nan_policy=skip: the most steps skipped in a row; one more stops the run as max_skipped_fraction does "
+        "(a run that diverged late). null: no limit.", 10)
     max_wall_time: Optional[str] = doc("Stop cleanly after this much wall time (e.g. '3h50m', '90s'): checkpoint "
                                        "after the step in flight and exit with the preemption code; null: no limit.",
                                        None)

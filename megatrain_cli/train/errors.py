@@ -3,8 +3,8 @@
 Exit codes (README's "Exit codes"; a requeue script tests them):
 
     0    done, or stopped by SIGTERM after a checkpoint
-    1    training failed: NaN with nan_policy=stop, CUDA out of memory, a checkpoint that could not be
-         written (disk full: the previous checkpoint is intact), a rank that failed
+    1    training failed: NaN with nan_policy=stop, a diverged run (train/skips.py), CUDA out of memory, a
+         checkpoint that could not be written (disk full: the previous checkpoint is intact), a rank that failed
     2    bad input: recipe, paths, data, a checkpoint that does not fit; output_dir in use by another run
     3    would not fit in memory
     75   preempted, resumable: SIGUSR1 or train.max_wall_time, after a checkpoint (EX_TEMPFAIL)

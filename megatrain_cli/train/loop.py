@@ -83,6 +83,9 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> i
     lead = dist is None or dist.rank == 0  # the one process that prints, logs, exports and holds the lock
     watch = StopWatch(r.train.max_wall_time)  # a bad value is refused here, before anything is written
     out = Path(r.output_dir)
+    # The data and the checkpoint to resume, each refused when it cannot be right: before anything is written.
+    data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out)
+    made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if the run writes nothing
     out.mkdir(parents=True, exist_ok=True)
     lock, problem = OutputLock(out), None
     if lead:
@@ -95,37 +98,57 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> i
 
         problems = gather_problems(dist, problem)
         problem = problems[0].removeprefix("rank 0: ") if problems else None
-    if problem:
-        raise TrainingError(problem, 2)
     try:
-        return _run(r, device, tokenizer, config, plan, dist, lead, out, watch, pred)
+        if problem:
+            raise TrainingError(problem, 2)
+        return _run(r, device, config, plan, dist, lead, out, watch, pred, tokenizer, data, held_out, total,
+                    candidates)
     finally:
         lock.release()
+        for d in made:  # the folders this run made, when it wrote nothing in them (a refusal): gone again
+            try:
+                d.rmdir()
+            except OSError:
+                break
 
 
-def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path, watch, pred) -> int:
-    from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
-    from megatrain_cli.dashboard import Dashboard
+def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path):
+    """(training rows, held-out rows or None, the run's last step, the checkpoints to resume from): read
+    and checked before output_dir is touched. What the data leaves out (nothing to learn) is said here."""
     from megatrain_cli.data import build_train_data, load_examples, split_examples
-    from megatrain_cli.metrics.step import step_metrics
-    from megatrain_cli.optim.host_adamw import lr_at
-    from megatrain_cli.recipe.load import to_dict
-    from megatrain_cli.train import resume, stop
-    from megatrain_cli.train.sinks import open_sinks
+    from megatrain_cli.data.train_data import left_out_report
+    from megatrain_cli.train import resume
     from megatrain_cli.train.validation import HeldOut
 
     t = r.train
     examples = load_examples(r.data)
     train_ex, test_ex = split_examples(examples, r.data)
     data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
+    if lead and (data.left_out or data.truncated):
+        what = [left_out_report(data.left_out, len(train_ex))] if data.left_out else []
+        if data.truncated:
+            what.append(f"{data.truncated} cut at train.seq_len={t.seq_len} (the end of their reply is lost)")
+        print(f"data: {'; '.join(what)}", file=sys.stderr)
     held_out = HeldOut.build(r, test_ex, tokenizer, dist)  # None unless eval.every_n_steps is set
     total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
                                                                                               t.grad_accum)))
     total_text = f"train.steps={t.steps}" if t.steps is not None else f"train.epochs={t.epochs}"
-    # Which checkpoint, refused when it cannot be right: before anything is built or written.
     candidates = resume.choose(r.checkpoint.resume, out, total, total_text, lead, t.master_weights)
-    if lead:
-        (out / "recipe.yaml").write_text(render_yaml(r))
+    return data, held_out, total, candidates
+
+
+def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pred, tokenizer, data, held_out,
+         total: int, candidates) -> int:
+    from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
+    from megatrain_cli.dashboard import Dashboard
+    from megatrain_cli.metrics.step import step_metrics
+    from megatrain_cli.optim.host_adamw import lr_at
+    from megatrain_cli.recipe.load import to_dict
+    from megatrain_cli.train import resume, stop
+    from megatrain_cli.train.sinks import open_sinks
+    from megatrain_cli.train.skips import SkipCount
+
+    t = r.train
     long_ctx = plan.lean
     if long_ctx is not None:
         lean_allocator(device)
@@ -133,11 +156,11 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
     engine = build_engine(r, store, plan, device, dist)
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
-    start, skipped = 0, 0
+    start, skips = 0, SkipCount(r, out)
     found = resume.load(store, candidates, auto=r.checkpoint.resume == "auto", dist=dist, lead=lead)
     if found is not None:
         ckpt, state = found
-        start, skipped = int(state["step"]), int(state.get("skipped_steps", 0))
+        start, skips.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
         data.load_state_dict(state["data"])
         if lead:
             print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
@@ -149,7 +172,7 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
         else:
             save = save_checkpoint
         try:
-            save(store, out, step, {"step": step, "skipped_steps": skipped, "data": data.state_dict()},
+            save(store, out, step, {"step": step, "skipped_steps": skips.skipped, "data": data.state_dict()},
                  keep_last_n=r.checkpoint.keep_last_n, tokenizer=tokenizer, source_dir=r.model.path)
         except CheckpointWriteError as err:  # disk full: nothing partial left, the previous one intact
             raise TrainingError(str(err), 1) from None
@@ -159,6 +182,8 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
     try:
         # metrics.jsonl, TensorBoard, W&B, MLflow: each gets every logged step's record (train/sinks.py).
         logs = open_sinks(r.logging, out, start=start, config=to_dict(r)) if lead else []
+        if lead:  # last of what may refuse the run (the resume read, the sinks): a refused run writes nothing
+            (out / "recipe.yaml").write_text(render_yaml(r))
         with stop.watching(), Dashboard(r.logging.dashboard if lead else "off", total_steps=total,
                                         title=f"megatrain {r.output_dir}",
                                         val_every=held_out.every if held_out else None) as dash:
@@ -185,14 +210,10 @@ def _run(r: Recipe, device, tokenizer, config, plan, dist, lead: bool, out: Path
                     mbs = split_micro_batches(mbs, dist.rank, dist.world)
                 lr = lr_at(step, t, total)
                 res = engine.step(mbs, lr)
-                if res.skipped:
-                    skipped += 1
-                    if t.nan_policy == "stop":
-                        raise TrainingError(f"step {step + 1}: loss {res.loss} / gradient norm {res.grad_norm} is "
-                                            f"not finite (train.nan_policy=stop); the last checkpoint is intact", 1)
+                skips.count(step, res.skipped, res.loss, res.grad_norm)  # a diverged run stops here (exit 1)
                 validate = held_out is not None and held_out.due(step + 1, total)
                 if (step + 1) % r.logging.every_n_steps == 0 or step + 1 == total or validate:
-                    m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skipped,
+                    m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skips.skipped,
                                      step_time=time.perf_counter() - t0, seq_len=t.seq_len,
                                      eta=(time.perf_counter() - t_run) / (step + 1 - start) * (total - step - 1))
                     if validate:  # after the step's figures: the pass neither counts in them nor changes them

@@ -2,14 +2,17 @@
 
 `check_model_dir` answers before anything is built, for `train` (model.path) and `eval` (--model): a
 download that stopped half-way, a shard lost from the index, a config.json edited into invalid JSON or
-values transformers refuses, a training checkpoint (step_N) where an exported model was meant. It reads
-config.json (and builds its config object), the index and each shard's safetensors header (8 bytes plus a JSON header of a few KiB per shard; no tensor is read), and
-compares each shard's size with what its header promises. One message names the file and the fix.
+values transformers refuses (or takes but training cannot: a NaN, more experts per token than experts), a
+training checkpoint (step_N) where an exported model was meant. It reads config.json (and builds its config
+object), the index and each shard's safetensors header (8 bytes plus a JSON header of a few KiB per shard;
+no tensor is read), and compares each shard's size with what its header promises. One message names the
+file and the fix.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from megatrain_cli.checkpoint.layout import MANIFEST  # what a training checkpoint has and a model has not
@@ -46,6 +49,8 @@ def check_model_dir(path: str | Path, key: str, trust_remote_code: bool = False)
     if not isinstance(config, dict):
         _fail(f"{key}: {config_file} holds a {type(config).__name__}, not a JSON object; restore it from the "
               f"model's source")
+    for problem in config_value_problems(config):
+        _fail(f"{key}: {config_file}: {problem}; restore it from the model's source")
     try:  # what transformers makes of it: a config object, no weights (a wrong type or value fails here)
         from megatrain_cli.models.loader import load_hf_config
 
@@ -59,6 +64,29 @@ def check_model_dir(path: str | Path, key: str, trust_remote_code: bool = False)
         if problem:
             _fail(f"{key}: {problem}; fetch that file again (the download may have stopped part-way)")
     return config
+
+
+# The expert counts of the mixture-of-experts families (Qwen-MoE: num_experts; Mixtral, gpt-oss: num_local_experts;
+# DeepSeek: n_routed_experts), each with how many a token is routed to.
+EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def config_value_problems(config: dict, where: str = "") -> list[str]:
+    """What transformers takes without a word but training cannot: a NaN or infinite number (JSON's NaN /
+    Infinity, which Python's reader accepts: router_aux_loss_coef NaN makes every step's loss NaN), and a
+    token routed to more experts than there are (a traceback deep in the router otherwise)."""
+    problems = []
+    for name, value in config.items():
+        if isinstance(value, dict):
+            problems += config_value_problems(value, f"{where}{name}.")
+        elif any(isinstance(v, float) and not math.isfinite(v) for v in (value if isinstance(value, list) else [value])):
+            problems.append(f"{where}{name} is {value}, not a finite number")
+    experts = next(((k, config[k]) for k in EXPERT_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
+    per_token = config.get("num_experts_per_tok")
+    if experts and isinstance(per_token, int) and per_token > experts[1]:
+        problems.append(f"{where}num_experts_per_tok is {per_token}, more than the {experts[1]} experts of "
+                        f"{where}{experts[0]} (a token is routed to num_experts_per_tok of them)")
+    return problems
 
 
 def shard_files(p: Path, key: str) -> list[Path]:

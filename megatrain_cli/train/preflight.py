@@ -20,7 +20,6 @@ from megatrain_cli.recipe import Recipe
 from megatrain_cli.train.errors import TrainingError
 from megatrain_cli.train.model_files import check_model_dir
 
-CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 master + two fp32 Adam moments (gradients are not saved)
 DATA_SAMPLE = 64  # records read up front when the whole data set is not needed (eval off)
 
 
@@ -43,15 +42,28 @@ def check_inputs(r: Recipe, *, dry_run: bool) -> None:
     cache = r.data.cache_dir
     if cache not in ("auto", "off") and Path(cache).exists() and not Path(cache).is_dir():
         raise TrainingError(f"data.cache_dir: {cache} is a file; give a folder, auto or off", 2)
+    if cache not in ("auto", "off"):  # written after tokenising: a read-only one would be found mute
+        check_output_dir(cache, "data.cache_dir", "pick another data.cache_dir, or data.cache_dir=off (no cache)")
     check_resume(r.checkpoint.resume)
     check_output_dir(r.output_dir, "output_dir")
+    from megatrain_cli.train.sinks import path_problems
+
+    taken = path_problems(r.logging, Path(r.output_dir))
+    if taken:
+        raise TrainingError("\n".join(taken), 2)
     if dry_run:
         return
+    from megatrain_cli.metrics.trackers import server_problem
     from megatrain_cli.train.sinks import missing_packages
 
     missing = missing_packages(r.logging)  # tensorboard, wandb, mlflow: optional extras
     if missing:
         raise TrainingError("\n".join(missing), 2)
+    uri = r.logging.mlflow_tracking_uri
+    unreachable = server_problem(uri) if r.logging.mlflow and uri else ""
+    if unreachable:
+        raise TrainingError(f"logging.mlflow_tracking_uri: {uri}: {unreachable}; start it or fix the URI, or set "
+                            f"logging.mlflow=false. Nothing was written", 2)
     check_data(r)
 
 
@@ -111,23 +123,24 @@ def read_model_config(r: Recipe, tokenizer):
 
 
 # ---------------------------------------------------------------- output folders and disk space
-def check_output_dir(path: str | Path, key: str) -> Path:
+def check_output_dir(path: str | Path, key: str, fix: str | None = None) -> Path:
     """`path` is a folder, or can be made, and can be written; returns the nearest existing folder at or
     above it. Nothing is created there but a probe folder, removed at once (a permission bit, a read-only
-    mount and root's exemptions all answer to a real attempt)."""
+    mount and root's exemptions all answer to a real attempt). `fix`: what to do (default: pick another `key`)."""
     p = Path(path)
+    fix = fix or f"pick another {key}"
     if p.exists() and not p.is_dir():
-        raise TrainingError(f"{key}: {p} is a file, not a folder; pick another {key}", 2)
+        raise TrainingError(f"{key}: {p} is a file, not a folder; {fix}", 2)
     anchor = existing_parent(p)
     if not anchor.is_dir():
-        raise TrainingError(f"{key}: {anchor} is a file, so {p} cannot be made under it; pick another {key}", 2)
+        raise TrainingError(f"{key}: {anchor} is a file, so {p} cannot be made under it; {fix}", 2)
     try:
         if not os.access(anchor, os.W_OK | os.X_OK):
             raise PermissionError(13, "permission denied")
         os.rmdir(tempfile.mkdtemp(prefix=".megatrain-write-test-", dir=anchor))
     except OSError as err:
-        raise TrainingError(f"{key}: cannot write in {anchor} ({err.strerror or err}); pick a writable {key}",
-                            2) from None
+        raise TrainingError(f"{key}: cannot write in {anchor} ({err.strerror or err}); "
+                            f"{fix if fix != f'pick another {key}' else f'pick a writable {key}'}", 2) from None
     return anchor
 
 
@@ -209,17 +222,20 @@ def disk_problem(key: str, path: str | Path, need: int, what: str) -> str:
 
 
 def run_disk_problem(r: Recipe, config) -> str:
-    """What a run writes at once, against free space under output_dir: a resumable checkpoint (masters and
-    moments: every run ends with one, train/loop.py) and, with export_final, final/ (the weights in
-    model.dtype) beside it; '' when it fits."""
+    """What a run writes at once, against free space under output_dir: a resumable checkpoint (every run ends
+    with one, train/loop.py), asked as its writer asks (checkpoint_bytes: masters, moments, room for the side
+    files), and with export_final, final/ (the weights in model.dtype) beside it; '' when it fits."""
+    from megatrain_cli.checkpoint.layout import checkpoint_bytes
     from megatrain_cli.models.adapter import ModelAdapter
-    from megatrain_cli.store.tiles import HostStore
+    from megatrain_cli.store.tiles import MASTER_DTYPES, HostStore
     from megatrain_cli.train.setup import DTYPES
 
-    params = HostStore(ModelAdapter(config), DTYPES[r.model.dtype], allocate=False).num_params()
-    need, what = params * CHECKPOINT_BYTES_PER_PARAM, "a checkpoint (fp32 masters and Adam moments)"
+    store = HostStore(ModelAdapter(config), DTYPES[r.model.dtype], allocate=False,
+                      master_dtype=MASTER_DTYPES[r.train.master_weights])
+    need, what = checkpoint_bytes(store), "a checkpoint (masters, Adam moments, config and tokenizer)"
     if r.checkpoint.export_final:
-        need, what = need + params * DTYPES[r.model.dtype].itemsize, what + " and final/ (the exported weights)"
+        need += store.num_params() * DTYPES[r.model.dtype].itemsize
+        what += " and final/ (the exported weights)"
     return disk_problem("output_dir", r.output_dir, need, what)
 
 

@@ -25,6 +25,11 @@ class RankSpec:
 
 def world_problem(r: Recipe, world: int) -> str | None:
     """Why the recipe cannot run on `world` ranks (None: it can)."""
+    resident = r.engine.resident_layers
+    if world > 1 and isinstance(resident, int) and resident > 0:  # the sharded store keeps no layer on the device
+        return (f"--gpus {world}: engine.resident_layers={resident} keeps layers' optimizer state on one process's "
+                f"device, which data-parallel ranks (each holding a shard of every layer) do not do; use "
+                f"engine.resident_layers=0 (or auto) with --gpus, or train on one GPU")
     a = r.train.grad_accum
     if a < world or a % world:
         return (f"--gpus {world}: each rank takes its share of every step's micro-batches, so train.grad_accum "
