@@ -299,3 +299,18 @@ def test_a_refused_resume_leaves_the_old_run_as_it_was(tmp_path, models, resume)
     refused(megatrain("train", TINY, *SHORT, f"output_dir={where}",
                       f"checkpoint.resume={'auto' if resume == 'auto' else old / 'step_1'}"), 2, "step_1")
     assert snapshot(old) == before and not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------- what a path is, what would work
+def test_a_recipe_path_that_is_not_a_file_says_what_it_is(tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.yaml")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "mine.yaml").write_text("model: {preset: tiny}\n")
+    for path, what in [(tmp_path / "recipes", "is a folder, not a recipe file; give a YAML file in it (mine.yaml)"),
+                       (tmp_path / "loop", "is a symbolic link loop"),
+                       (tmp_path / "dangling", f"is a symbolic link to {tmp_path / 'gone.yaml'}, which does not exist")]:
+        out = refused(megatrain("train", path), 2, f"{path} {what}")
+        assert "not found" not in out
+
