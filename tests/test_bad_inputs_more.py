@@ -314,3 +314,29 @@ def test_a_recipe_path_that_is_not_a_file_says_what_it_is(tmp_path):
         out = refused(megatrain("train", path), 2, f"{path} {what}")
         assert "not found" not in out
 
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_a_model_the_engine_cannot_stream_suggests_nothing_that_fails(tmp_path, family):
+    """GPT-2 (learned positions) and BERT (a biased LM head) suggested model.allow_unverified=true, which then
+    failed too."""
+    import transformers
+
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+
+    tok = load_bundled_tokenizer()
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok), n_positions=512, bos_token_id=0, eos_token_id=0))
+    else:
+        model = transformers.BertLMHeadModel(transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=len(tok),
+            is_decoder=True))
+    model.save_pretrained(tmp_path / family)
+    tok.save_pretrained(tmp_path / family)
+    before = snapshot(tmp_path / family)
+    for allow in ("false", "true"):
+        out = refused(train(tmp_path, "model.preset=null", f"model.path={tmp_path / family}",
+                            f"model.allow_unverified={allow}"), 2, f"model type '{family}'",
+                      "with or without model.allow_unverified")
+        assert "model.allow_unverified=true trains it" not in out
+    assert snapshot(tmp_path / family) == before and not (tmp_path / "out").exists()
