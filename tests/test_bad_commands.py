@@ -196,3 +196,19 @@ def test_a_shell_sees_one_message_and_debug_the_traceback(tmp_path):
     assert "Traceback" not in plain.stderr + plain.stdout
     debug = subprocess.run([*cmd, "--debug"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
+
+
+# ---------------------------------------------------------------- advice that works
+def test_eval_without_a_chat_template_suggests_what_eval_takes(tmp_path, models):
+    """It suggested model.tokenizer, a key `megatrain eval` refuses."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 1 + 1?"},
+                                             {"role": "assistant", "content": "The answer is: 2"}]}) + "\n")
+    args = ["eval", "--model", models / "one", f"data.source={data}", "--split", "all", "engine.device=cpu",
+            "eval.max_new_tokens=2", "--output-dir", tmp_path / "ev"]
+    for prompt, key in (("auto", "data.template"), ("chat", "eval.prompt")):
+        out = refused(megatrain(*args, f"eval.prompt={prompt}"), 2, f"{key}: ", "has none", "--model",
+                      "eval.prompt=plain (or data.template=plain)")
+        assert "model.tokenizer" not in out and not (tmp_path / "ev").exists()
+    for fix in ("eval.prompt=plain", "data.template=plain"):  # each suggestion works
+        assert megatrain(*args, fix).exit_code == 0
