@@ -212,3 +212,19 @@ def test_eval_without_a_chat_template_suggests_what_eval_takes(tmp_path, models)
         assert "model.tokenizer" not in out and not (tmp_path / "ev").exists()
     for fix in ("eval.prompt=plain", "data.template=plain"):  # each suggestion works
         assert megatrain(*args, fix).exit_code == 0
+
+
+def test_export_of_a_damaged_checkpoint_names_it_and_the_one_to_use(tmp_path, models):
+    run = tmp_path / "run"
+    shutil.copytree(models / "run" / "step_1", run / "step_1")
+    shutil.copytree(models / "run" / "step_1", run / "step_2")
+    tile = run / "step_2" / "tiles" / "layers.0.safetensors"
+    data = bytearray(tile.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 16):
+        data[i] ^= 0xFF  # found only when read
+    tile.write_bytes(bytes(data))
+    before = snapshot(run)
+    for given in (run / "step_2", run):  # the checkpoint, or the run's folder (its latest)
+        refused(megatrain("export", given, tmp_path / "out"), 2, f"{run / 'step_2'} is damaged", "checksum mismatch",
+                f"`megatrain export {run / 'step_1'} {tmp_path / 'out'}`")
+    assert snapshot(run) == before and not (tmp_path / "out").exists()

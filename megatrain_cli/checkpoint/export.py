@@ -42,7 +42,7 @@ import torch
 
 from megatrain_cli.checkpoint.format import (CheckpointError, fsync_dir, publish_dir, safetensors_header,
                                              tensor_bytes, write_all, write_file_durably)
-from megatrain_cli.checkpoint.layout import MANIFEST, latest_checkpoint
+from megatrain_cli.checkpoint.layout import MANIFEST, checkpoints_newest_first, latest_checkpoint, sound_one_before
 from megatrain_cli.checkpoint.load import load_tiles
 from megatrain_cli.models.convert import LAYOUT_KEY, SavedLayout
 from megatrain_cli.store.tiles import HostStore
@@ -233,12 +233,21 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
     if not (path / MANIFEST).is_file():
         latest = latest_checkpoint(path)
         if latest is None:
-            raise CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one")
+            found = checkpoints_newest_first(path)
+            damaged = "; ".join(f"{p.name}: {why}" for p, why in found)
+            raise CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one"
+                                  + (f" (damaged: {damaged})" if found else ""))
         path = latest
     # Allocating a full store costs only address space: torch.empty pages are not touched until
     # written, and only the master sections are read.
     store = HostStore(ModelAdapter(load_hf_config(path)), torch.bfloat16)
-    load_tiles(store, path, sections=("master",))
+    try:
+        load_tiles(store, path, sections=("master",))
+    except CheckpointError as err:
+        before = sound_one_before(path)
+        raise CheckpointError(f"{path} is damaged ({str(err).removeprefix(f'{path}: ')}); nothing was exported"
+                              + (f". {before} is the newest sound checkpoint before it: `megatrain export {before} "
+                                 f"{out_dir}`" if before else "")) from None
 
     def copy_tokenizer(tmp: Path) -> None:
         if (path / "tokenizer").is_dir():
