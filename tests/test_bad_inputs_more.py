@@ -340,3 +340,26 @@ def test_a_model_the_engine_cannot_stream_suggests_nothing_that_fails(tmp_path, 
                       "with or without model.allow_unverified")
         assert "model.allow_unverified=true trains it" not in out
     assert snapshot(tmp_path / family) == before and not (tmp_path / "out").exists()
+
+
+def test_inodes_used_up_are_named_not_a_full_disk(tmp_path, monkeypatch):
+    """'the disk is full' with 100 MiB free, before."""
+    import os
+
+    from megatrain_cli.checkpoint import format as ckpt_format
+
+    real = os.statvfs
+
+    def no_inodes(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files,
+                                  0, 0, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(ckpt_format.os, "statvfs", no_inodes)
+    out = refused(train(tmp_path, "train.steps=1", "checkpoint.export_final=false"), 1, "no free inodes",
+                  "inode table is full", "are free", "checkpoint.resume=auto")
+    assert "disk is full" not in out and not (tmp_path / "out" / "step_1").exists()
+    err = OSError(28, "No space left on device")
+    with pytest.raises(ckpt_format.CheckpointWriteError, match="no free inodes left, though"):
+        with ckpt_format.removed_on_failure(tmp_path / "tmp", "step_2", where=tmp_path):
+            raise err

@@ -192,6 +192,7 @@ def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str
 
 # ---------------------------------------------------------------- the rest of a checkpoint, and its publication
 SIDE_FILES_BYTES = 32 << 20  # room asked for trainer_state, config and tokenizer (a large tokenizer.json: ~10 MiB)
+SIDE_FILES = 32  # files (and folders) asked for beside the tiles: manifest, state, config, tokenizer files
 
 
 def master_weights(store: HostStore) -> str:
