@@ -228,3 +228,29 @@ def test_export_of_a_damaged_checkpoint_names_it_and_the_one_to_use(tmp_path, mo
         refused(megatrain("export", given, tmp_path / "out"), 2, f"{run / 'step_2'} is damaged", "checksum mismatch",
                 f"`megatrain export {run / 'step_1'} {tmp_path / 'out'}`")
     assert snapshot(run) == before and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- megatrain export stopped half-way
+@pytest.mark.parametrize("how,code", [("ctrl-c", 130), ("sigterm", 143)])
+def test_export_stopped_half_way_leaves_nothing(tmp_path, models, monkeypatch, how, code):
+    """No message and a hidden .NAME.tmp left behind, before."""
+    import os
+    import signal
+    import time
+
+    from megatrain_cli.checkpoint import export as export_module
+
+    def stopped(*args, **kwargs):  # the signal arrives while the weights are being written
+        (tmp_path / ".out.tmp" / "model.safetensors").write_bytes(b"partial")
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises in this thread before the sleep ends
+        raise AssertionError("SIGTERM was not turned into an exception")
+
+    monkeypatch.setattr(export_module, "_write_shard", stopped)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = refused(megatrain("export", models / "run" / "step_1", tmp_path / "out"), code,
+                  f"export stopped by {'SIGINT' if how == 'ctrl-c' else 'SIGTERM'}", "partial files were removed")
+    assert str(tmp_path / "out") in out and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back after the export

@@ -174,7 +174,18 @@ def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a crashed export
     tmp.mkdir()
+    try:  # a failure, Ctrl-C or SIGTERM (`megatrain export` raises it) leaves no partial folder behind
+        _write(store, tmp, dtype, max_shard_bytes, write_tokenizer, source_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, out_dir)
+    return out_dir
 
+
+def _write(store: HostStore, tmp: Path, dtype: torch.dtype, max_shard_bytes: int, write_tokenizer,
+           source_dir: Path | None) -> None:
+    """The export's files into the temp folder `tmp`, made durable."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     layout = SavedLayout(store.adapter.config)
     items = _planned_tensors(store, layout)
@@ -204,8 +215,6 @@ def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes
     _write_generation_config(config, tmp, source_dir)
     write_tokenizer(tmp)
     _fsync_tree(tmp)
-    publish_dir(tmp, out_dir)
-    return out_dir
 
 
 def export_hf(store: HostStore, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
