@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -218,6 +219,7 @@ def export(checkpoint: Path = typer.Argument(..., help="A step_N checkpoint dire
     import torch
 
     from megatrain_cli.checkpoint import export_checkpoint
+    from megatrain_cli.train import stop
     from megatrain_cli.train.preflight import check_export
 
     with _answered(debug):
@@ -225,7 +227,13 @@ def export(checkpoint: Path = typer.Argument(..., help="A step_N checkpoint dire
             _fail(f"--dtype: expected bf16 or fp32, got {dtype!r}")
         torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
         check_export(checkpoint, out, torch_dtype, force=force)
-        path = export_checkpoint(checkpoint, out, dtype=torch_dtype)
+        try:
+            with stop.interruptible():
+                path = export_checkpoint(checkpoint, out, dtype=torch_dtype)
+        except (KeyboardInterrupt, stop.Interrupted) as err:
+            signum = getattr(err, "signum", signal.SIGINT)
+            _fail(f"export stopped by {signal.Signals(signum).name}: its partial files were removed, {out} is as it "
+                  f"was; run it again to export", 128 + signum)
     typer.echo(f"exported {checkpoint} -> {path}")
 
 

@@ -42,7 +42,7 @@ import torch
 
 from megatrain_cli.checkpoint.format import (CheckpointError, fsync_dir, publish_dir, safetensors_header,
                                              tensor_bytes, write_all, write_file_durably)
-from megatrain_cli.checkpoint.layout import MANIFEST, latest_checkpoint
+from megatrain_cli.checkpoint.layout import MANIFEST, checkpoints_newest_first, latest_checkpoint, sound_one_before
 from megatrain_cli.checkpoint.load import load_tiles
 from megatrain_cli.models.convert import LAYOUT_KEY, SavedLayout
 from megatrain_cli.store.tiles import HostStore
@@ -174,7 +174,18 @@ def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes
     if tmp.exists():
         shutil.rmtree(tmp)  # left by a crashed export
     tmp.mkdir()
+    try:  # a failure, Ctrl-C or SIGTERM (`megatrain export` raises it) leaves no partial folder behind
+        _write(store, tmp, dtype, max_shard_bytes, write_tokenizer, source_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    publish_dir(tmp, out_dir)
+    return out_dir
 
+
+def _write(store: HostStore, tmp: Path, dtype: torch.dtype, max_shard_bytes: int, write_tokenizer,
+           source_dir: Path | None) -> None:
+    """The export's files into the temp folder `tmp`, made durable."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     layout = SavedLayout(store.adapter.config)
     items = _planned_tensors(store, layout)
@@ -204,8 +215,6 @@ def _export(store: HostStore, out_dir: Path, dtype: torch.dtype, max_shard_bytes
     _write_generation_config(config, tmp, source_dir)
     write_tokenizer(tmp)
     _fsync_tree(tmp)
-    publish_dir(tmp, out_dir)
-    return out_dir
 
 
 def export_hf(store: HostStore, out_dir: str | Path, *, dtype: torch.dtype = torch.bfloat16, tokenizer=None,
@@ -233,12 +242,21 @@ def export_checkpoint(checkpoint_dir: str | Path, out_dir: str | Path, *, dtype:
     if not (path / MANIFEST).is_file():
         latest = latest_checkpoint(path)
         if latest is None:
-            raise CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one")
+            found = checkpoints_newest_first(path)
+            damaged = "; ".join(f"{p.name}: {why}" for p, why in found)
+            raise CheckpointError(f"{path} is neither a complete checkpoint nor a directory holding one"
+                                  + (f" (damaged: {damaged})" if found else ""))
         path = latest
     # Allocating a full store costs only address space: torch.empty pages are not touched until
     # written, and only the master sections are read.
     store = HostStore(ModelAdapter(load_hf_config(path)), torch.bfloat16)
-    load_tiles(store, path, sections=("master",))
+    try:
+        load_tiles(store, path, sections=("master",))
+    except CheckpointError as err:
+        before = sound_one_before(path)
+        raise CheckpointError(f"{path} is damaged ({str(err).removeprefix(f'{path}: ')}); nothing was exported"
+                              + (f". {before} is the newest sound checkpoint before it: `megatrain export {before} "
+                                 f"{out_dir}`" if before else "")) from None
 
     def copy_tokenizer(tmp: Path) -> None:
         if (path / "tokenizer").is_dir():

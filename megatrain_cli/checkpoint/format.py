@@ -164,15 +164,30 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} bytes" if k == 0 else f"{n:.1f} {units[k]}"
 
 
-def check_free_space(directory: Path, need: int, what: str) -> None:
+def free_inodes(directory: Path) -> int | None:
+    """Files that can still be made on `directory`'s file system; None where it keeps no count (btrfs, some
+    network file systems report 0 inodes in all)."""
+    st = os.statvfs(directory)
+    return st.f_favail if st.f_files else None
+
+
+def check_free_space(directory: Path, need: int, what: str, files: int = 0) -> None:
     """Refuse before the first byte is written when `directory`'s file system has less than `need` free (the
-    new checkpoint is complete before rotation deletes an old one, so it needs its whole size)."""
+    new checkpoint is complete before rotation deletes an old one, so it needs its whole size), or fewer free
+    inodes than the `files` it makes (a disk of many small files runs out of those first)."""
     free = shutil.disk_usage(directory).free
     if free < need:
         raise CheckpointWriteError(f"not enough free space to write {what} in {directory}: it needs "
                                    f"{human_bytes(need)}, {human_bytes(free)} are free. Nothing was written and "
                                    "the earlier checkpoints are intact; free some space (or move output_dir to a "
                                    "larger disk) and resume with checkpoint.resume=auto")
+    inodes = free_inodes(directory) if files else None
+    if inodes is not None and inodes < files:
+        raise CheckpointWriteError(f"no free inodes to write {what} in {directory}: it makes about {files} files and "
+                                   f"the file system has room for {inodes} more (its inode table is full, though "
+                                   f"{human_bytes(free)} are free). Nothing was written and the earlier checkpoints "
+                                   "are intact; delete files there (many small ones free the most inodes) or move "
+                                   "output_dir to another file system, and resume with checkpoint.resume=auto")
 
 
 @contextmanager
@@ -187,7 +202,12 @@ def removed_on_failure(tmp: Path, what: str, need: int | None = None, where: Pat
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(err, OSError):
             free = shutil.disk_usage(where).free
-            full = " (the disk is full)" if err.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            full = ""
+            if err.errno == errno.ENOSPC:
+                full = (f" (the file system has no free inodes left, though {human_bytes(free)} are free)"
+                        if free_inodes(where) == 0 else " (the disk is full)")
+            elif err.errno == errno.EDQUOT:
+                full = " (your disk quota is used up)"
             needs = f"; it needs {human_bytes(need)}" if need is not None else ""
             raise CheckpointWriteError(f"writing {what} in {where} failed{full}: {err.strerror or err} "
                                        f"({human_bytes(free)} free{needs}). Its partial files were removed and "

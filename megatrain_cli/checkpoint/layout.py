@@ -187,12 +187,12 @@ def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str
             if landing is not dst:
                 dst.copy_(landing)
             if crc != entry["crc32"][section]:
-                raise CheckpointError(f"{name}: checksum mismatch in section {section} (file corrupted); "
-                                      "the store is now partly overwritten and must not be trained on")
+                raise CheckpointError(f"{name}: checksum mismatch in section {section} (file corrupted)")
 
 
 # ---------------------------------------------------------------- the rest of a checkpoint, and its publication
 SIDE_FILES_BYTES = 32 << 20  # room asked for trainer_state, config and tokenizer (a large tokenizer.json: ~10 MiB)
+SIDE_FILES = 32  # files (and folders) asked for beside the tiles: manifest, state, config, tokenizer files
 
 
 def master_weights(store: HostStore) -> str:
@@ -280,6 +280,16 @@ def _is_complete(path: Path) -> bool:
         return True
     except CheckpointError:
         return False
+
+
+def sound_one_before(path: Path) -> Path | None:
+    """The newest complete checkpoint (stats only) older than `path` beside it: the way out a message about a
+    damaged checkpoint names (resume's and export's)."""
+    found = checkpoints_newest_first(path.parent)
+    names = [p.name for p, _ in found]
+    if path.name not in names:
+        return None
+    return next((p for p, problem in found[names.index(path.name) + 1:] if problem is None), None)
 
 
 def checkpoints_newest_first(output_dir: str | Path) -> list[tuple[Path, str | None]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from megatrain_cli.checkpoint.format import (CheckpointError, check_free_space, fsync_dir, remove_interrupted,
                                              removed_on_failure)
-from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, VERSION, checkpoint_bytes, event,
+from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES, VERSION, checkpoint_bytes, event,
                                              manifest_master_dtype, master_weights, model_summary, read_tile,
                                              seal_and_publish, write_side_files, write_tile)
 from megatrain_cli.store.tiles import HostStore
@@ -34,7 +34,7 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
     final, tmp = output_dir / f"step_{step}", output_dir / f".step_{step}.tmp"
     remove_interrupted(output_dir)  # temp dirs of killed saves (this step's included): only holding space
     need = checkpoint_bytes(store)  # train --dry-run asks the same figure
-    check_free_space(output_dir, need, final.name)
+    check_free_space(output_dir, need, final.name, files=len(store.tiles) + SIDE_FILES)
     with removed_on_failure(tmp, final.name, need):
         (tmp / "tiles").mkdir(parents=True)
         tiles = []

@@ -19,10 +19,12 @@ def has_chat_template(tokenizer) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def uses_chat_template(tokenizer, template: str, chat_data: bool = False, key: str = "data.template") -> bool:
+def uses_chat_template(tokenizer, template: str, chat_data: bool = False, key: str = "data.template",
+                       evaluating: bool = False) -> bool:
     """Whether prompts go through the tokenizer's chat template. 'chat', and chat data (a messages /
     conversations layout) under 'auto', need one: without it the run is refused (DataError naming `key`
-    and the tokenizer), never quietly rendered as Question/Answer text; 'plain' says that is wanted."""
+    and the tokenizer), never quietly rendered as Question/Answer text; 'plain' says that is wanted.
+    `evaluating`: `megatrain eval`'s refusal, whose fixes are eval's (--model, eval.prompt)."""
     if template not in TEMPLATES:
         raise ValueError(f"{key}: expected 'auto', 'chat' or 'plain', got {template!r}")
     if template == "plain":
@@ -31,11 +33,12 @@ def uses_chat_template(tokenizer, template: str, chat_data: bool = False, key: s
         return True
     if template == "chat" or chat_data:
         why = f"{key}={template}" if template == "chat" else "chat data (a messages / conversations layout)"
+        other = ("evaluate a model whose tokenizer has one (--model: an instruct / chat model)" if evaluating else
+                 "use a model whose tokenizer has one (an instruct / chat model, or model.tokenizer pointing at one)")
+        plain = "eval.prompt=plain (or data.template=plain)" if evaluating else f"{key}=plain"
         raise DataError(f"{key}: {why} needs the tokenizer's chat template, and {tokenizer_name(tokenizer)} "
-                        f"has none (no chat_template in its tokenizer_config.json or "
-                        f"chat_template.jinja); use a model whose tokenizer has one (an instruct / chat model, "
-                        f"or model.tokenizer pointing at one), or set {key}=plain to render the turns as "
-                        f"'Question: ... Answer: ' text")
+                        f"has none (no chat_template in its tokenizer_config.json or chat_template.jinja); "
+                        f"{other}, or set {plain} to render the turns as 'Question: ... Answer: ' text")
     return False
 
 

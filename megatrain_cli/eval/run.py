@@ -58,7 +58,8 @@ def run_eval(r: Recipe, model_path: str, *, split: str = "test", mode: str = "au
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokenizer = load_eval_tokenizer(model_path)
-    chat = uses_chat_template(tokenizer, prompt_template, examples[0].chat)
+    chat = uses_chat_template(tokenizer, prompt_template, examples[0].chat, evaluating=True,
+                              key="data.template" if ecfg.prompt == "auto" else "eval.prompt")
     prefix = default_prefix_ids(tokenizer)
     prompts = [render_prompt(tokenizer, ex.prompt, prompt_template, ex.history, ex.chat) for ex in examples]
     prompt_ids = [encode_prompt(tokenizer, p, prefix) for p in prompts]

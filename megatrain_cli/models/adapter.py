@@ -186,5 +186,15 @@ class ModelAdapter:
 def check_architecture(config: Any, allow_unverified: bool = False) -> str | None:
     """The recipe-level policy (families.py): refuse an unverified family unless allowed; returns the
     warning to print for an allowed one. Whether the model splits into streamable parts at all is
-    ModelAdapter's check."""
+    ModelAdapter's check, asked first for an unverified family: model.allow_unverified is suggested only
+    where it would work (GPT-2's learned positions or BERT's head would be refused right after)."""
+    verified = [*families.VERIFIED, *families.VERIFIED_MOE]
+    if families.model_type(config) not in verified:
+        try:
+            ModelAdapter(config)
+        except UnsupportedModel as err:  # the engine cannot stream it: no setting changes that
+            raise UnsupportedModel(f"{err}; the engine streams decoder-only models built of an embedding, "
+                                   f"decoder layers, a final norm and a linear LM head, which this one is not, "
+                                   f"with or without model.allow_unverified (verified families: "
+                                   f"{', '.join(verified)})") from None
     return families.check_verified(config, allow_unverified)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
+import os
 import types
 import typing
 from pathlib import Path
@@ -136,6 +138,24 @@ def apply_overrides(data: dict, overrides: list[str], problems: list[str]) -> di
     return data
 
 
+def _not_a_file(p: Path) -> str:
+    """What a recipe path that is not a file is: a folder, a link that leads nowhere, or nothing."""
+    if p.is_dir():
+        yamls = sorted(x.name for x in p.glob("*.y*ml"))[:3]
+        return (f"{p} is a folder, not a recipe file; give a YAML file" +
+                (f" in it ({', '.join(yamls)})" if yamls else ""))
+    if p.is_symlink():
+        try:
+            os.stat(p)
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                return f"{p} is a symbolic link loop (it leads back to itself: {p} -> {os.readlink(p)}); fix the link"
+            return f"{p} is a symbolic link to {os.readlink(p)}, which does not exist"
+    if p.exists():
+        return f"{p} is not a regular file; give a YAML file"
+    return f"recipe file not found: {p}"
+
+
 def read_utf8(path: Path) -> str:
     """A text file every user of it reads as UTF-8, whatever the machine's locale (UnicodeDecodeError: not_utf8
     says where)."""
@@ -160,7 +180,7 @@ def load_recipe(path: str | Path | None, overrides: list[str] = (), *, for_train
     if path is not None:
         p = Path(path)
         if not p.is_file():
-            raise RecipeError([f"recipe file not found: {p}"], source)
+            raise RecipeError([_not_a_file(p)], source)
         try:
             data = yaml.safe_load(read_utf8(p)) or {}
         except UnicodeDecodeError as err:

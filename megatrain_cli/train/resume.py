@@ -20,6 +20,7 @@ from pathlib import Path
 
 from megatrain_cli.checkpoint import (CheckpointError, CheckpointSettingError, checkpoint_step,
                                      checkpoints_newest_first, load_checkpoint)
+from megatrain_cli.checkpoint.layout import sound_one_before
 from megatrain_cli.train.errors import EXIT_BAD_INPUT, TrainingError
 
 
@@ -86,8 +87,10 @@ def load(store, candidates: list[Path], *, auto: bool, dist, lead: bool) -> tupl
         if not problems:
             return path, state
         if not auto:
-            raise TrainingError(f"checkpoint.resume: {path} is damaged ({'; '.join(problems)}){older(path)}. Nothing "
-                                "was written", EXIT_BAD_INPUT)
+            before = sound_one_before(path)
+            raise TrainingError(f"checkpoint.resume: {path} is damaged ({'; '.join(problems)})"
+                                f"{f'; {before} is the newest sound one before it' if before else ''}. Nothing was "
+                                "written", EXIT_BAD_INPUT)
         tried.append((path.name, "; ".join(problems)))
         if lead:
             print(f"checkpoint.resume=auto: {path.name} is damaged ({tried[-1][1]}); passing over it",
@@ -95,17 +98,6 @@ def load(store, candidates: list[Path], *, auto: bool, dist, lead: bool) -> tupl
     if tried:
         raise TrainingError(_none_usable(candidates[0].parent, tried), EXIT_BAD_INPUT)
     return None
-
-
-def older(path: Path) -> str:
-    """'; STEP is the newest sound checkpoint before it' (by name and stats: manifest and sizes), or '' when there
-    is none: the way out a message about a damaged checkpoint names (export's too)."""
-    found = checkpoints_newest_first(path.parent)
-    names = [p.name for p, _ in found]
-    if path.name not in names:
-        return ""
-    sound = [p for p, problem in found[names.index(path.name) + 1:] if problem is None]
-    return f"; {sound[0]} is the newest sound one before it" if sound else ""
 
 
 def _none_usable(out: Path, damaged: list[tuple[str, str]]) -> str:

@@ -6,7 +6,8 @@
     SIGUSR1 (Slurm's warning) checkpoint, exit: preempted, resumable            75 (EX_TEMPFAIL)
     train.max_wall_time       checkpoint, exit: preempted, resumable            75
 
-A caught signal is only recorded (the handler does nothing else), so a step is never cut in half. The
+`megatrain export` (interruptible) is stopped instead: Ctrl-C and SIGTERM remove its partial folder and exit
+130 / 143. A caught signal of the loop is only recorded (the handler does nothing else), so a step is never cut in half. The
 record is process-wide, as signals are: a rank installs the handlers as soon as it starts (train/launch.py
 starts it with these signals blocked, so one that arrives while it imports waits instead of killing it)
 and the loop finds what came meanwhile. The wall clock counts from the start of the loop (building the
@@ -109,3 +110,27 @@ def describe(reason: int, limit_text: str | None = None) -> str:
         return f"train.max_wall_time ({limit_text}) reached"
     name = signal.Signals(reason).name
     return f"{name} (preempted)" if reason == signal.SIGUSR1 else name
+
+
+class Interrupted(BaseException):
+    """SIGTERM, raised where the main thread is (interruptible): a one-shot command stops as Ctrl-C stops it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def interruptible():
+    """SIGTERM raises Interrupted (Ctrl-C raises KeyboardInterrupt already), so a one-shot command such as
+    `megatrain export` unwinds through its cleanup instead of dying with its partial files left; the
+    exit code is 128 + the signal (130, 143). The handler before is put back after."""
+    def handler(signum, _frame):
+        raise Interrupted(signum)
+
+    before = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+

@@ -196,3 +196,61 @@ def test_a_shell_sees_one_message_and_debug_the_traceback(tmp_path):
     assert "Traceback" not in plain.stderr + plain.stdout
     debug = subprocess.run([*cmd, "--debug"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert debug.returncode != 0 and "Traceback" in debug.stderr and "RecipeError" in debug.stderr
+
+
+# ---------------------------------------------------------------- advice that works
+def test_eval_without_a_chat_template_suggests_what_eval_takes(tmp_path, models):
+    """It suggested model.tokenizer, a key `megatrain eval` refuses."""
+    data = tmp_path / "chats.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "What is 1 + 1?"},
+                                             {"role": "assistant", "content": "The answer is: 2"}]}) + "\n")
+    args = ["eval", "--model", models / "one", f"data.source={data}", "--split", "all", "engine.device=cpu",
+            "eval.max_new_tokens=2", "--output-dir", tmp_path / "ev"]
+    for prompt, key in (("auto", "data.template"), ("chat", "eval.prompt")):
+        out = refused(megatrain(*args, f"eval.prompt={prompt}"), 2, f"{key}: ", "has none", "--model",
+                      "eval.prompt=plain (or data.template=plain)")
+        assert "model.tokenizer" not in out and not (tmp_path / "ev").exists()
+    for fix in ("eval.prompt=plain", "data.template=plain"):  # each suggestion works
+        assert megatrain(*args, fix).exit_code == 0
+
+
+def test_export_of_a_damaged_checkpoint_names_it_and_the_one_to_use(tmp_path, models):
+    run = tmp_path / "run"
+    shutil.copytree(models / "run" / "step_1", run / "step_1")
+    shutil.copytree(models / "run" / "step_1", run / "step_2")
+    tile = run / "step_2" / "tiles" / "layers.0.safetensors"
+    data = bytearray(tile.read_bytes())
+    for i in range(len(data) // 3, len(data) // 3 + 16):
+        data[i] ^= 0xFF  # found only when read
+    tile.write_bytes(bytes(data))
+    before = snapshot(run)
+    for given in (run / "step_2", run):  # the checkpoint, or the run's folder (its latest)
+        refused(megatrain("export", given, tmp_path / "out"), 2, f"{run / 'step_2'} is damaged", "checksum mismatch",
+                f"`megatrain export {run / 'step_1'} {tmp_path / 'out'}`")
+    assert snapshot(run) == before and not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- megatrain export stopped half-way
+@pytest.mark.parametrize("how,code", [("ctrl-c", 130), ("sigterm", 143)])
+def test_export_stopped_half_way_leaves_nothing(tmp_path, models, monkeypatch, how, code):
+    """No message and a hidden .NAME.tmp left behind, before."""
+    import os
+    import signal
+    import time
+
+    from megatrain_cli.checkpoint import export as export_module
+
+    def stopped(*args, **kwargs):  # the signal arrives while the weights are being written
+        (tmp_path / ".out.tmp" / "model.safetensors").write_bytes(b"partial")
+        if how == "ctrl-c":
+            raise KeyboardInterrupt
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler raises in this thread before the sleep ends
+        raise AssertionError("SIGTERM was not turned into an exception")
+
+    monkeypatch.setattr(export_module, "_write_shard", stopped)
+    handler = signal.getsignal(signal.SIGTERM)
+    out = refused(megatrain("export", models / "run" / "step_1", tmp_path / "out"), code,
+                  f"export stopped by {'SIGINT' if how == 'ctrl-c' else 'SIGTERM'}", "partial files were removed")
+    assert str(tmp_path / "out") in out and sorted(p.name for p in tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGTERM) is handler  # put back after the export

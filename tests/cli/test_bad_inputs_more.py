@@ -299,3 +299,67 @@ def test_a_refused_resume_leaves_the_old_run_as_it_was(tmp_path, models, resume)
     refused(megatrain("train", TINY, *SHORT, f"output_dir={where}",
                       f"checkpoint.resume={'auto' if resume == 'auto' else old / 'step_1'}"), 2, "step_1")
     assert snapshot(old) == before and not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------- what a path is, what would work
+def test_a_recipe_path_that_is_not_a_file_says_what_it_is(tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone.yaml")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "mine.yaml").write_text("model: {preset: tiny}\n")
+    for path, what in [(tmp_path / "recipes", "is a folder, not a recipe file; give a YAML file in it (mine.yaml)"),
+                       (tmp_path / "loop", "is a symbolic link loop"),
+                       (tmp_path / "dangling", f"is a symbolic link to {tmp_path / 'gone.yaml'}, which does not exist")]:
+        out = refused(megatrain("train", path), 2, f"{path} {what}")
+        assert "not found" not in out
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_a_model_the_engine_cannot_stream_suggests_nothing_that_fails(tmp_path, family):
+    """GPT-2 (learned positions) and BERT (a biased LM head) suggested model.allow_unverified=true, which then
+    failed too."""
+    import transformers
+
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+
+    tok = load_bundled_tokenizer()
+    if family == "gpt2":
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=1, n_embd=32, n_head=2, vocab_size=len(tok), n_positions=512, bos_token_id=0, eos_token_id=0))
+    else:
+        model = transformers.BertLMHeadModel(transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64, vocab_size=len(tok),
+            is_decoder=True))
+    model.save_pretrained(tmp_path / family)
+    tok.save_pretrained(tmp_path / family)
+    before = snapshot(tmp_path / family)
+    for allow in ("false", "true"):
+        out = refused(train(tmp_path, "model.preset=null", f"model.path={tmp_path / family}",
+                            f"model.allow_unverified={allow}"), 2, f"model type '{family}'",
+                      "with or without model.allow_unverified")
+        assert "model.allow_unverified=true trains it" not in out
+    assert snapshot(tmp_path / family) == before and not (tmp_path / "out").exists()
+
+
+def test_inodes_used_up_are_named_not_a_full_disk(tmp_path, monkeypatch):
+    """'the disk is full' with 100 MiB free, before."""
+    import os
+
+    from megatrain_cli.checkpoint import format as ckpt_format
+
+    real = os.statvfs
+
+    def no_inodes(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, st.f_bfree, st.f_bavail, st.f_files,
+                                  0, 0, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(ckpt_format.os, "statvfs", no_inodes)
+    out = refused(train(tmp_path, "train.steps=1", "checkpoint.export_final=false"), 1, "no free inodes",
+                  "inode table is full", "are free", "checkpoint.resume=auto")
+    assert "disk is full" not in out and not (tmp_path / "out" / "step_1").exists()
+    err = OSError(28, "No space left on device")
+    with pytest.raises(ckpt_format.CheckpointWriteError, match="no free inodes left, though"):
+        with ckpt_format.removed_on_failure(tmp_path / "tmp", "step_2", where=tmp_path):
+            raise err
