@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain_cli.batch import MAX_LONG_CONTEXT_MASK
 from megatrain_cli.engine.plan.lean import LeanPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
 from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
                                               resident_device_bytes, resolve_keep_blocks, resolve_resident_layers)
@@ -88,20 +87,6 @@ def device_budget(r: Recipe, device: torch.device) -> int | None:
     return None
 
 
-def _packed_rows_problem(r: Recipe) -> str:
-    """Packed rows need a [B, 1, T, T] block-causal mask; past MAX_LONG_CONTEXT_MASK elements (one
-    65536-token row) the engine would refuse them at the first step: refuse the recipe instead."""
-    b, t = r.train.micro_batch_size, r.train.seq_len
-    if not (r.data.packing and b * t * t > MAX_LONG_CONTEXT_MASK):
-        return ""
-    rows = f"{b} packed rows" if b > 1 else "a packed row"
-    fix = "data.packing=false (one document per row)" + (", or a smaller train.micro_batch_size"
-                                                         if t * t <= MAX_LONG_CONTEXT_MASK else "")
-    return (f"data.packing with train.seq_len={t}: {rows} of {t} tokens need a block-causal mask of "
-            f"{b * t * t / 2**30:.0f} GiB and keep SDPA off flash/cuDNN; the long-context path takes at most "
-            f"{MAX_LONG_CONTEXT_MASK // 2**30} GiB ({int(MAX_LONG_CONTEXT_MASK ** 0.5)} tokens in one row). Use {fix}")
-
-
 def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = False,
               budget: int | None = None, one_process: bool = True) -> StepPlan:
     """The step's plan for `r` on `device` (a dry run may plan for CUDA on a machine without it).
@@ -109,8 +94,7 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
     `store_built`: the host store already exists, so MemAvailable no longer counts its bytes: the host
     check is skipped and the lean plan's host budget is what is free now. `budget`: device bytes to plan
     for instead of device_budget(r, device) (e.g. less what NCCL's buffers take). `one_process` False: a
-    data-parallel rank, which keeps no layer resident (engine/resident.py), so 'auto' resident layers are 0.
-    Raises ValueError for a recipe no plan can serve (packed rows too long for the mask)."""
+    data-parallel rank, which keeps no layer resident (engine/resident.py), so 'auto' resident layers are 0."""
     t, e = r.train, r.engine
     if not one_process and e.resident_layers == "auto":
         e = dataclasses.replace(e, resident_layers=0)
@@ -135,9 +119,6 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
     checked = dict(host_limit=limit, device_checked=budget is not None or device.type != "cuda")
 
     if e.long_context_min_seq is not None and t.seq_len >= e.long_context_min_seq:
-        problem = _packed_rows_problem(r)
-        if problem:
-            raise ValueError(problem)
         lean = plan_for_training(adapter, **lean_args, min_seq_len=e.long_context_min_seq)
         plan = _lean_host_plan(args, lean, lean_resident)
         checkpoints = lean.recompute_choice() or (f"{lean.offloaded_checkpoints} of {lean.num_checkpoints} "
@@ -161,7 +142,7 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
         plan.notes.append(f"{' and '.join(autos)} 'auto' decided on the GPU from its memory (0 assumed here)")
     too_big = device_problem(plan, device=device, device_budget=budget) if budget is not None else ""
     problems = _named(host_problems(plan), limit) if host is None else host
-    if too_big and e.memory_fallback and not problems and not _packed_rows_problem(r):
+    if too_big and e.memory_fallback and not problems:
         lean = plan_memory_lean(adapter, **lean_args)
         # Against the whole device budget: the short plan's figure counts its resident layers too.
         short = (f"the short-context plan{f' with {resident} resident layers' if resident else ''} needs about "
