@@ -197,3 +197,34 @@ def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, s
     rows = pack_rows(lengths, seq_len) if data_cfg.packing else [[i] for i in range(len(lengths))]
     return TrainData(tokens, offsets, loss_mask, rows, seq_len=seq_len, pad_token_id=pad_id(tokenizer), seed=seed,
                      packing=data_cfg.packing, truncated=truncated, dropped=dropped)
+
+
+def synthetic_lengths(tokens: int, mean: int, spread: float, longest: int, seed: int) -> list[int]:
+    """Document lengths from a log-normal with mean `mean` tokens and sigma `spread` (0: every document `mean`
+    long; about 1: the long tail of chat and instruction data), drawn until they sum to `tokens` or more; each
+    in [1, longest]. The same arguments always draw the same lengths."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean) - spread ** 2 / 2  # E[exp(N(mu, s))] = exp(mu + s^2 / 2) = mean
+    out: list[int] = []
+    total = 0
+    while total < tokens:
+        draw = np.clip(np.rint(rng.lognormal(mu, spread, size=1024)), 1, longest).astype(np.int64).tolist()
+        for n in draw:
+            out.append(n)
+            total += n
+            if total >= tokens:
+                break
+    return out
+
+
+def synthetic_train_data(lengths: list[int], vocab: int, seq_len: int, seed: int) -> TrainData:
+    """Packed rows of documents of these lengths (cut to seq_len, as build_train_data cuts them), packed as
+    training packs them (pack_rows), of uniform random ids, every token a label: the bench's packed rows."""
+    lengths = [min(n, seq_len) for n in lengths]
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    tokens = torch.randint(0, vocab, (total,), generator=g, dtype=torch.int64).to(torch.int32)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return TrainData(tokens, offsets, torch.ones(total, dtype=torch.bool), pack_rows(lengths, seq_len),
+                     seq_len=seq_len, pad_token_id=0, seed=seed, packing=True)
