@@ -16,9 +16,10 @@ call SDPA. Two kinds of rows arrive:
   they go to PyTorch's varlen flash kernel, `torch.nn.attention.varlen.varlen_attn`, with the window
   (W - 1, 0) on sliding-window layers: no [T, T] mask, and each document attends only to itself, so
   the kernel does within-document work only. Everywhere else (the CPU, fp32, Gemma 2's softcap,
-  gpt-oss's sinks, an old torch) the exact reference runs: HF's own implementation once per document
-  with that document's causal (windowed) mask; on CUDA that fallback is named once (a RuntimeWarning).
-  The reference costs a Python loop over the documents per layer and a host read of the boundaries.
+  gpt-oss's sinks, an old torch) the exact reference runs: HF's own implementation over groups of whole
+  documents of a row (up to GROUP_TOKENS together) under a block-diagonal causal (windowed) mask; on CUDA
+  that fallback is named once (a RuntimeWarning). The reference costs a Python loop over the groups per
+  layer, masks of at most GROUP_TOKENS^2 elements (a longer document: its own), and a host read of the boundaries.
 """
 
 from __future__ import annotations
@@ -179,8 +180,8 @@ _NOTED: set[str] = set()
 def _note_fallback(reason: str, original: str) -> None:
     if reason not in _NOTED:
         _NOTED.add(reason)
-        warnings.warn(f"packed rows: {reason}; attention runs once per document through HF's {original} code "
-                      f"(exact, slower than the varlen flash kernel)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"packed rows: {reason}; attention runs over each group of whole documents through HF's "
+                      f"{original} code (exact, slower than the varlen flash kernel)", RuntimeWarning, stacklevel=3)
 
 
 def _varlen(query, key, value, cu: torch.Tensor, longest: int, scale: float | None, window: int | None):
@@ -201,31 +202,54 @@ def _varlen(query, key, value, cu: torch.Tensor, longest: int, scale: float | No
     return out.view(b, t, h, d)
 
 
+# The reference runs consecutive documents of a row together, up to this many tokens, under one block-diagonal
+# causal mask (a document longer than this runs alone): fewer calls than one per document (a CPU SDPA call
+# with its backward costs ~25 ms whatever its size on two busy cores; at 1024 tokens ~50 ms, at 4096 ~10x
+# that: the masked-out blocks are computed too), masks of at most 1024^2 elements, exact all the same.
+GROUP_TOKENS = 1024
+
+
 def _per_document(plain: Callable, module, query, key, value, cu: torch.Tensor, window: int | None, original: str,
                   kwargs: dict) -> torch.Tensor:
-    """The exact reference: HF's own implementation once per document (documents never cross rows)."""
+    """The exact reference: HF's own implementation over each group of whole documents (GROUP_TOKENS), each
+    document seeing only itself (documents never cross rows)."""
     b, h, t, d = query.shape
     bounds = cu.tolist()
     outs = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        row, lo = divmod(start, t)
-        hi = lo + end - start
-        mask = _document_mask(end - start, window, original, query)
+    for group in _groups(bounds, t):
+        row, lo = divmod(group[0], t)
+        hi = lo + group[-1] - group[0]
+        mask = _group_mask([e - s for s, e in zip(group[:-1], group[1:])], window, original, query)
         out, _ = plain(module, query[row:row + 1, :, lo:hi], key[row:row + 1, :, lo:hi],
                        value[row:row + 1, :, lo:hi], mask, **kwargs)
         outs.append(out[0])
     return torch.cat(outs).view(b, t, h, d)
 
 
-def _document_mask(n: int, window: int | None, original: str, like: torch.Tensor) -> torch.Tensor | None:
-    """One document's causal mask, additive as HF's eager mask is (0 seen, dtype min hidden); None where
-    SDPA's own causal flag says the same (no window inside the document)."""
-    windowed = window is not None and window < n
-    if original == "sdpa" and not windowed:
+def _groups(bounds: list[int], row_len: int) -> list[list[int]]:
+    """Document boundaries cut into groups: consecutive documents of one row, GROUP_TOKENS at most together."""
+    groups = [[bounds[0]]]
+    for end in bounds[1:]:
+        group = groups[-1]
+        start = group[-1]
+        if len(group) > 1 and (end - group[0] > GROUP_TOKENS or start % row_len == 0):
+            groups.append([start])
+        groups[-1].append(end)
+    return groups
+
+
+def _group_mask(lengths: list[int], window: int | None, original: str, like: torch.Tensor) -> torch.Tensor | None:
+    """A group's mask, additive as HF's eager mask is (0 seen, dtype min hidden): each document causal (and
+    windowed) over itself. None where SDPA's own causal flag says the same (one document, no window in it)."""
+    n = sum(lengths)
+    windowed = window is not None and window < max(lengths)
+    if original == "sdpa" and len(lengths) == 1 and not windowed:
         return None
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device=like.device),
+                                  torch.tensor(lengths, device=like.device))
     q = torch.arange(n, device=like.device)[:, None]
     k = torch.arange(n, device=like.device)[None, :]
-    seen = k <= q
+    seen = (k <= q) & (doc[:, None] == doc[None, :])
     if windowed:
         seen = seen & (q - k < window)
     zero = torch.zeros((), dtype=like.dtype, device=like.device)
