@@ -4,9 +4,9 @@ Every example becomes ids and a loss mask (tokenize.py): tokens of a supervised 
 included, are labelled with their own ids (the engine shifts labels, as HF does), every other token
 with -100 (no loss): the prompt, the turns around the replies. Rows are `seq_len` long: with packing,
 several examples per row, `position_ids` restarting at 0 where each one starts (the engine turns the
-resets into a block-causal mask, so examples never see each other); without it, one example per
-row. The tail of a row is padding: pad ids, label -100, positions continuing the last example (so
-padding adds no reset, and a one-example row needs no mask at all).
+resets into document boundaries for the attention, models/attention.py, so examples never see each
+other); without it, one example per row. The tail of a row is padding: pad ids, label -100, positions
+continuing the last example (so padding adds no reset, and a one-example row has one document).
 
 Rows are fixed once built; each epoch visits them in an order drawn from a generator seeded by
 (seed, epoch). `state_dict` is (epoch, cursor) plus a fingerprint of the data, which is all a

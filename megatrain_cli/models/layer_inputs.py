@@ -1,8 +1,8 @@
 """What each decoder layer is called with, built by the model's own HF decoder code.
 
 The engine runs decoder layers one at a time, so it must hand each the arguments HF's decoder loop would:
-per-layer-type attention masks (full, sliding window, chunked; block-causal for packed rows, detected
-from the position ids as transformers does), per-layer-type rotary tables (Gemma 3 has two RoPE bases),
+per-layer-type attention masks (full, sliding window, chunked; for packed rows, detected from the position
+ids as transformers does, the documents' boundaries instead), per-layer-type rotary tables (Gemma 3 has two RoPE bases),
 position ids, and whatever that family's loop adds. Rather than re-implement each family, `LayerInputs`
 runs the HF decoder's own forward on a SHELL: the decoder module with its layers replaced by recorders
 (they note their arguments and pass the hidden state through) and its final norm by an identity. Its

@@ -75,8 +75,9 @@ class DataConfig:
                                      "data.source=openai/gsm8k:main data.test_source=openai/gsm8k:main.", None)
     split_seed: int = doc("Seed of the train/test split and of a mixture's draw (data.datasets).", 1234)
     max_samples: Optional[int] = doc("Use at most this many records (before splitting; a mixture's total).", None)
-    packing: bool = doc("Pack several examples per row (block-causal attention, positions reset) so no "
-                        "FLOPs go to padding.", True)
+    packing: bool = doc("Pack several examples per row (positions reset; each example attends only to itself, "
+                        "through the varlen attention kernel on CUDA: no mask, at any train.seq_len) so no FLOPs "
+                        "go to padding.", True)
     num_proc: int = doc("Processes for tokenisation.", 1)
     cache_dir: Union[Literal["auto", "off"], str] = doc(
         "Cache of tokenised examples (keyed by the data, tokenizer, template and train_on): 'auto' (the user's "
