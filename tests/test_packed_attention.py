@@ -94,8 +94,8 @@ def test_packed_rows_equal_the_dense_mask_reference(monkeypatch, family, group):
     ref_losses, ref_grads, ref_logits = dense_reference(reference_model(store, copy.deepcopy(config)), mbs)
 
     documents = []
-    per_document = attention._per_document
-    monkeypatch.setattr(attention, "_per_document", lambda *a: documents.append(a[5].numel() - 1) or per_document(*a))
+    reference = attention._reference
+    monkeypatch.setattr(attention, "_reference", lambda *a: documents.append(a[5].numel() - 1) or reference(*a))
     engine = make_engine(store)
     res = engine.forward_backward(mbs)
     engine.close()
@@ -173,7 +173,7 @@ def test_the_fast_kernel_is_named_and_its_blockers_listed():
     varlen_attn, gqa = attention._varlen_api()
     assert varlen_attn is not None and gqa
     q = torch.zeros(1, 2, 4, 8)
-    assert attention.fast_kernel_blocker(q, {}, None) == "not on CUDA"
+    assert attention.fast_kernel_blocker(q, {}) == "not on CUDA"
 
 
 def test_long_context_trains_a_packed_row_of_32k_tokens():
@@ -211,7 +211,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen flas
 @cuda
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_varlen_kernel_equals_the_per_document_reference_on_cuda(window, kv_heads):
+def test_varlen_kernel_equals_the_reference_reference_on_cuda(window, kv_heads):
     """bf16 on the GPU: the varlen flash kernel (grouped keys, a window shorter than the documents) against
     HF's SDPA once per document, outputs and gradients, within bf16's rounding."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -228,9 +228,9 @@ def test_varlen_kernel_equals_the_per_document_reference_on_cuda(window, kv_head
     k = torch.randn(2, kv_heads, 256, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     v = torch.randn(2, kv_heads, 256, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
     kw = dict(scaling=0.125, sliding_window=window, dropout=0.0)
-    assert attention.fast_kernel_blocker(q, kw, window) is None
+    assert attention.fast_kernel_blocker(q, kw) is None
     fast = attention._varlen(q, k, v, cu, longest, 0.125, window)
-    ref = attention._per_document(sdpa_attention_forward, module, q, k, v, cu, window, "sdpa", kw)
+    ref = attention._reference(sdpa_attention_forward, module, q, k, v, cu, window, "sdpa", kw)
     grads = [torch.autograd.grad(out.float().square().sum(), (q, k, v)) for out in (fast, ref)]
     torch.testing.assert_close(fast.float(), ref.float(), rtol=2e-2, atol=2e-2)
     for a, b in zip(*grads):

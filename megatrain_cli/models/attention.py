@@ -131,12 +131,12 @@ def packed_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise ValueError(f"{type(module).__name__} attends both ways: packed rows need causal attention; "
                          f"use data.packing=false")
     window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
-    reason = fast_kernel_blocker(query, kwargs, window)
+    reason = fast_kernel_blocker(query, kwargs)
     if reason is None:
         return _varlen(query, key, value, cu_seq_lens_q, int(max_length_q), kwargs.get("scaling"), window), None
     if query.is_cuda:
         _note_fallback(reason, original)
-    return _per_document(plain, module, query, key, value, cu_seq_lens_q, window, original, kwargs), None
+    return _reference(plain, module, query, key, value, cu_seq_lens_q, window, original, kwargs), None
 
 
 @functools.lru_cache(maxsize=1)
@@ -153,7 +153,7 @@ def _varlen_api() -> tuple[Callable | None, bool]:
     return varlen_attn, "enable_gqa" in params
 
 
-def fast_kernel_blocker(query: torch.Tensor, kwargs: dict, window: int | None) -> str | None:
+def fast_kernel_blocker(query: torch.Tensor, kwargs: dict) -> str | None:
     """Why the varlen flash kernel cannot run this call (the reference runs instead), or None."""
     if not query.is_cuda:
         return "not on CUDA"
@@ -209,8 +209,8 @@ def _varlen(query, key, value, cu: torch.Tensor, longest: int, scale: float | No
 GROUP_TOKENS = 1024
 
 
-def _per_document(plain: Callable, module, query, key, value, cu: torch.Tensor, window: int | None, original: str,
-                  kwargs: dict) -> torch.Tensor:
+def _reference(plain: Callable, module, query, key, value, cu: torch.Tensor, window: int | None, original: str,
+               kwargs: dict) -> torch.Tensor:
     """The exact reference: HF's own implementation over each group of whole documents (GROUP_TOKENS), each
     document seeing only itself (documents never cross rows)."""
     b, h, t, d = query.shape
