@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 import torch
 
 IGNORE_INDEX = -100
-# Long-context path: the largest block-causal mask (bool elements) a packed micro-batch may build, 4 GiB
-# (one 64K-token row); longer packed rows are refused with what to change instead of running out of memory.
+# Long-context path: the largest sliding-window mask (bool elements) a micro-batch of one document per row
+# may build, 4 GiB (one 64K-token row); longer rows are refused with what to change instead of running out of
+# memory. Packed rows build no mask (models/attention.py).
 MAX_LONG_CONTEXT_MASK = 2**32
 
 

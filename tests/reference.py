@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatrain_cli.batch import IGNORE_INDEX, MicroBatch
@@ -123,7 +125,8 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
                 kw = {"position_ids": mb.position_ids.to(dev)}  # (only without a KV cache: use_cache=False)
             if router_aux:
                 kw["output_router_logits"] = True
-            out = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw)
+            with packed_masks(model, kw.get("position_ids")):
+                out = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw)
             logits = out.logits.float()
             lab = mb.labels[:, 1:].to(dev)
             loss_sum = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
@@ -139,6 +142,32 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
         opt.zero_grad(set_to_none=True)
         all_losses.append(losses)
     return all_losses
+
+
+@contextlib.contextmanager
+def packed_masks(model, position_ids: torch.Tensor | None):
+    """HF's own masks for packed rows, handed to a decoder whose forward does not give its position ids to
+    its mask code: gpt-oss in transformers 5.25 (its packed rows would attend across documents). The
+    causal LM's own arguments stay as they were (its router loss reads `attention_mask` as a padding mask).
+    Every other family's forward detects the documents itself: nothing is done."""
+    if position_ids is None or model.config.model_type != "gpt_oss":
+        yield
+        return
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    b, t = position_ids.shape
+    like = torch.empty(b, t, 1, dtype=next(model.parameters()).dtype, device=position_ids.device)
+    args = dict(config=model.config, inputs_embeds=like, attention_mask=None, cache=None, position_ids=position_ids)
+    masks = {"full_attention": create_causal_mask(**args), "sliding_attention": create_sliding_window_causal_mask(**args)}
+
+    def hand_masks(module, args, kwargs):
+        return args, {**kwargs, "attention_mask": masks}
+
+    hook = model.get_decoder().register_forward_pre_hook(hand_masks, with_kwargs=True)
+    try:
+        yield
+    finally:
+        hook.remove()
 
 
 def random_batches(vocab: int, steps: int, accum: int, batch: int, seq: int, seed: int = 0,

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from megatrain_cli.bench.loop import run_timed_steps, synthetic_batch
+from megatrain_cli.bench.loop import BenchRows, run_timed_steps
 from megatrain_cli.bench.result import BenchResult
 from megatrain_cli.engine.plan.lean import GiB, refusal
 from megatrain_cli.engine.plan.step_plan import DTYPES, plan_step
@@ -215,10 +215,8 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
                 f"norm {res.grad_norm:.3f} " + " ".join(f"{k} {v:.2f}" for k, v in res.times.items())
                 + (f" peak {torch.cuda.max_memory_allocated(dev) / GiB:.1f} GiB" if dev.type == "cuda" else ""))
 
-        vocab = planned.config.vocab_size
-        timed = run_timed_steps(
-            engine, lambda s: [synthetic_batch(vocab, batch, seq, seed=s * 97 + k) for k in range(accum)],
-            warmup=warmup, steps=steps, on_step=show, stop_on_oom=True)
+        rows = BenchRows(r, planned.config.vocab_size, steps=warmup + steps, micro_batches=accum)
+        timed = run_timed_steps(engine, rows, warmup=warmup, steps=steps, on_step=show, stop_on_oom=True)
         late = engine.offloader.late_gets
     finally:
         engine.close()
@@ -228,7 +226,8 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
     peak_dev = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
     reserved = torch.cuda.max_memory_reserved(dev) if dev.type == "cuda" else 0
 
-    base = dict(name=NAME, model=planned.label, batch=batch * accum, seq=seq, host_rss_bytes=host_rss_bytes())
+    base = dict(name=NAME, model=planned.label, batch=batch * accum, seq=seq, host_rss_bytes=host_rss_bytes(),
+                packed=rows.describe())
     plan_line = (f"interval {plan.checkpoint_interval}, MLP chunk {plan.mlp_chunk_tokens or 'none'}, loss chunk "
                  f"{plan.loss_chunk_tokens}, RMSNorm {'lean' if plan.lean_norms else 'HF'}, offloaded "
                  f"{plan.offloaded_checkpoints}/{plan.num_checkpoints} checkpoints "
@@ -247,8 +246,9 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
     layers_run = planned.config.num_hidden_layers
     # Interval 1: every layer is recomputed once; a rebuilt checkpoint is one more layer forward.
     rebuilds = len(plan.dropped_checkpoints)
+    attended = rows.attended_per_step(range(warmup, warmup + n))
     flops, executed = streamed_step_flops(store, rows=batch * accum, seq=seq, recomputed_layers=layers_run + rebuilds,
-                                          mlp_chunk_tokens=plan.mlp_chunk_tokens)
+                                          mlp_chunk_tokens=plan.mlp_chunk_tokens, attended=attended)
     phases = {k: sum(x.times.get(k, 0.0) for x in results) / n for k in ("forward", "head", "backward", "optimizer")}
     split = {k: round(v, 3) for k, v in phases.items()}
     split["gpu_stall_on_weights"] = round(stall / n, 3)
@@ -270,7 +270,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print) -> B
         full_rebuilds = len(full.dropped_checkpoints)
         full_flops, full_executed = streamed_step_flops(planned.full_store, rows=batch * accum, seq=seq,
                                                         recomputed_layers=full.num_checkpoints + full_rebuilds,
-                                                        mlp_chunk_tokens=plan.mlp_chunk_tokens)
+                                                        mlp_chunk_tokens=plan.mlp_chunk_tokens, attended=attended)
         extrapolated = extrapolate(step_time=step_time, measured_layers=layers_run, full_layers=full.num_checkpoints,
                                    forward_per_layer=fwd_layer, backward_per_layer=bwd_layer, samples=samples,
                                    tokens=tokens, full_flops=full_flops, full_executed_flops=full_executed,

@@ -1,6 +1,10 @@
-"""The timed step loop of `megatrain bench` and its synthetic batches, shared by every path (short.py,
+"""The timed step loop of `megatrain bench` and its batches, shared by every path (short.py,
 long_context.py, ranks.py): warm-up steps, then timed ones; the wall clock runs from the first timed step
 until the last step's host optimizer updates have landed, so a pipelined optimizer's tail is paid for.
+
+The batches (`BenchRows`): one synthetic document per row, or with data.packing packed rows of
+documents (bench.doc_lengths: lengths from a log-normal, or the training data's own rows), each step's
+sum of squared document lengths noted for the FLOP count (attention within documents only).
 """
 
 from __future__ import annotations
@@ -12,8 +16,10 @@ from typing import Callable
 import torch
 
 from megatrain_cli.engine.step import Engine, MicroBatch, StepResult
+from megatrain_cli.metrics.flops import attention_pairs
 
 BENCH_LR = 1e-5
+POOL_ROWS = 64  # packed rows: documents for at least this many rows are drawn, so the fill is the data's
 
 
 def synthetic_batch(vocab: int, batch: int, seq: int, seed: int) -> MicroBatch:
@@ -22,6 +28,66 @@ def synthetic_batch(vocab: int, batch: int, seq: int, seed: int) -> MicroBatch:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (batch, seq), generator=g)
     return MicroBatch(ids, ids.clone())
+
+
+class BenchRows:
+    """Step s's micro-batches: synthetic_batch's rows (seeds s * 97 + k), or, with data.packing, the next rows of
+    packed documents (data/train_data.py's rows: synthetic documents, or data.source's, as `train` builds
+    them). `attended[s]`: step s's attention_pairs (sum of squared document lengths)."""
+
+    def __init__(self, r, vocab: int, *, steps: int, micro_batches: int, tokenizer=None):
+        self.vocab, self.micro_batches = vocab, micro_batches
+        self.batch, self.seq = r.train.micro_batch_size, r.train.seq_len
+        self.attended: dict[int, float] = {}
+        self.data = packed_rows(r, vocab, rows=steps * micro_batches * self.batch, tokenizer=tokenizer) \
+            if r.data.packing else None
+
+    def __call__(self, s: int) -> list[MicroBatch]:
+        """Every micro-batch of step s (a data-parallel rank keeps its share of them)."""
+        if self.data is None:
+            mbs = [synthetic_batch(self.vocab, self.batch, self.seq, seed=s * 97 + k) for k in range(self.micro_batches)]
+        else:
+            mbs = self.data.next_step(self.batch, self.micro_batches)
+        self.attended[s] = attention_pairs(mbs)
+        return mbs
+
+    def attended_per_step(self, steps) -> float | None:
+        """The mean attention_pairs of these steps; None without packing (one document per row)."""
+        if self.data is None:
+            return None
+        return sum(self.attended[s] for s in steps) / len(steps)
+
+    def describe(self) -> str:
+        """What the packed rows hold (for the table's note); '' without packing."""
+        if self.data is None:
+            return ""
+        st = self.data.stats()
+        return (f"packed rows: {st['examples'] / st['rows']:.1f} documents/row, fill {st['fill']:.1%} "
+                f"(real tokens / row tokens); model and executed TFLOPS count attention within documents only "
+                f"(6 x sum(doc_len^2) x hidden x layers)")
+
+
+def packed_rows(r, vocab: int, *, rows: int, tokenizer=None):
+    """The TrainData the packed bench draws its rows from. bench.doc_lengths 'synthetic': documents for at
+    least max(rows, POOL_ROWS) rows, lengths from the recipe's log-normal; 'data': data.source's training rows,
+    built as `train` builds them (the model's tokenizer: `tokenizer`, loaded here when None)."""
+    from megatrain_cli.data.train_data import synthetic_lengths, synthetic_train_data
+
+    b, t = r.bench, r.train
+    if b.doc_lengths == "synthetic":
+        lengths = synthetic_lengths(max(rows, POOL_ROWS) * t.seq_len, b.doc_len_mean, b.doc_len_spread, t.seq_len,
+                                    seed=t.seed)
+        return synthetic_train_data(lengths, vocab, t.seq_len, seed=t.seed)
+    from megatrain_cli.data import build_train_data, load_examples, split_examples
+    from megatrain_cli.models.tokenizer import load_tokenizer
+
+    train, _ = split_examples(load_examples(r.data), r.data)
+    data = build_train_data(train, tokenizer or load_tokenizer(r.model), r.data, t.seq_len, t.seed)
+    if int(data.tokens.max()) >= vocab:
+        raise ValueError(f"bench.doc_lengths=data: {r.data.source}'s token ids reach {int(data.tokens.max())}, past "
+                         f"the model's vocabulary ({vocab}); use a model whose tokenizer wrote them, or "
+                         f"bench.doc_lengths=synthetic")
+    return data
 
 
 @dataclass

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain_cli.bench.loop import run_timed_steps, synthetic_batch
+from megatrain_cli.bench.loop import BenchRows, run_timed_steps
 from megatrain_cli.bench.result import BenchResult
 from megatrain_cli.bench.runner import DoesNotFit, build, plan_bench
 from megatrain_cli.bench.settings import BenchRun
@@ -149,17 +149,17 @@ def _measure(r: Recipe, run: BenchRun, ctx, log) -> dict | None:
         problems = box[0]
     if problems:
         raise DoesNotFit("the bench would not fit:\n  " + "\n  ".join(problems))
-    built = build(planned, dist=ctx, log=say)
-    store, engine = built.store, built.engine
     warmup, steps, batch, seq, accum = (run.warmup_steps(planned.long_context), run.steps, r.train.micro_batch_size,
                                         r.train.seq_len, r.train.grad_accum)
+    rows = BenchRows(r, planned.config.vocab_size, steps=warmup + steps, micro_batches=world * accum)
+    built = build(planned, dist=ctx, log=say)
+    store, engine = built.store, built.engine
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     norms: list[float] = []
 
-    def batches(s: int):
-        seeds = split_micro_batches([s * 97 + k for k in range(world * accum)], rank, world)
-        return [synthetic_batch(planned.config.vocab_size, batch, seq, seed) for seed in seeds]
+    def batches(s: int):  # every rank draws the global batch and keeps its share, as `train` does
+        return split_micro_batches(rows(s), rank, world)
 
     def show(s: int, res, took: float) -> None:
         norms.append(res.grad_norm)
@@ -195,13 +195,14 @@ def _measure(r: Recipe, run: BenchRun, ctx, log) -> dict | None:
         dist.all_gather_object(per_rank, mine, group=ctx.cpu_group)
     if rank != 0:
         return None
-    flops, executed = streamed_step_flops(store, rows=world * accum * batch, seq=seq, recomputed_layers=recomputed)
+    flops, executed = streamed_step_flops(store, rows=world * accum * batch, seq=seq, recomputed_layers=recomputed,
+                                          attended=rows.attended_per_step(range(warmup, warmup + steps)))
     return report(planned, run, world, per_rank, flops=flops, executed=executed, params=store.num_params(),
-                  losses=timed.losses, norms=norms, streamer=streamer)
+                  losses=timed.losses, norms=norms, streamer=streamer, packed=rows.describe())
 
 
 def report(planned, run: BenchRun, world: int, per_rank: list[dict], *, flops: float, executed: float, params: int,
-           losses: list[float], norms: list[float], streamer: str) -> dict:
+           losses: list[float], norms: list[float], streamer: str, packed: str = "") -> dict:
     """Rank 0's figures for the whole run: BenchResult's fields (summed or worst over the ranks, as each
     says) plus the per-rank ones."""
     t, plan = planned.r.train, planned.plan
@@ -227,6 +228,6 @@ def report(planned, run: BenchRun, world: int, per_rank: list[dict], *, flops: f
               f"fullest GPU, RSS summed" +
               (f"; steady state (timed steps 2..{run.steps}): {steady:.3f} s/step, {tokens / steady:,.0f} tokens/s, "
                f"{flops / steady / 1e12:.1f} model TFLOPS" if steady else ""),
-        steady_step_time_s=steady)
+        steady_step_time_s=steady, packed=packed)
     return {**asdict(result), "world": world, "streamer": streamer, "tokens_per_s_per_gpu": tokens / step_time / world,
             "host_rss_bytes_per_param": rss / params, "params": params, "grad_norms": norms, "per_rank": per_rank}

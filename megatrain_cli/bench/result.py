@@ -5,8 +5,10 @@ BenchResult, and nothing here imports torch or the engine, so the DeepSpeed watc
 
 Model TFLOPS = (6 x matmul params x tokens + 6 x batch x seq^2 x hidden x layers) / step time: the
 causal-attention term is half of full attention's 12bs^2hL; recompute is NOT counted; the embedding
-lookup is not a matmul and is not counted (the LM head is). Executed TFLOPS adds the recomputed
-forward (2 x params x tokens per recomputed layer).
+lookup is not a matmul and is not counted (the LM head is). Packed rows (data.packing) count attention
+within documents only: 6 x sum(doc_len^2) x hidden x layers instead of the batch x seq^2 term, and the
+table says so under its rows. Executed TFLOPS adds the recomputed forward (2 x params x tokens per
+recomputed layer, and its attention).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class BenchResult:
     grad_norms: list = field(default_factory=list)  # the timed steps' global gradient norms
     # The planner's prediction for the plan that ran and the probe's figures (bench/predicted.py); {}: none
     predicted: dict = field(default_factory=dict)
+    # Packed rows (data.packing): documents per row, fill, and that the TFLOPS count attention within documents
+    # (loop.BenchRows.describe); '': one document per row.
+    packed: str = ""
 
 
 def model_label(name: str, layers: int | None, full_layers: int | None = None) -> str:
@@ -70,6 +75,7 @@ def format_table(results: list[BenchResult]) -> str:
                      f"{f(r.d2h_gbps, '9.1f'):>9} {f(r.overlap, '8.1%'):>8} {r.peak_device_bytes / 2**30:8.1f} "
                      f"{r.host_rss_bytes / 2**30:8.1f} {r.bytes_per_param:8.1f}")
     ours = results[0] if results else None
+    lines += [f"{r.name} {r.packed}" for r in results if r.packed]
     if ours is not None and ours.predicted.get("step_s"):
         lines.append(f"{ours.name} predicted by the planner: {ours.predicted['step_s']:.2f} s/step "
                      f"(docs/planner.md; the probe's figures are in the JSON)")

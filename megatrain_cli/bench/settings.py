@@ -8,7 +8,6 @@ the key that replaced them, so an old command line fails with its fix instead of
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,12 +96,11 @@ def split_args(args: list[str]) -> tuple[str | None, list[str], list[str]]:
 def bench_recipe(args: list[str] = (), *, shorthand: list[str] = ()) -> Recipe:
     """The bench's recipe from the command line's words ([RECIPE] key=value ... ~key): RECIPE (default
     recipes/bench.yaml) with the `shorthand` overrides, then the words' (explicit keys win), validated
-    by load_recipe. Raises RecipeError listing every problem, the old flags' included. data.packing
-    is set false: bench's batches are one document per row, and the planner refuses packed rows too
-    long for their mask."""
-    r = command_line.command_recipe(args, MOVED_FLAGS, "bench", settings=SETTINGS, default=default_recipe(),
-                                    shorthand=shorthand)
-    return dataclasses.replace(r, data=dataclasses.replace(r.data, packing=False))
+    by load_recipe. Raises RecipeError listing every problem, the old flags' included. data.packing says
+    what the rows hold (loop.BenchRows): one synthetic document each (recipes/bench.yaml), or packed
+    documents as the bench section describes them."""
+    return command_line.command_recipe(args, MOVED_FLAGS, "bench", settings=SETTINGS, default=default_recipe(),
+                                       shorthand=shorthand)
 
 
 def bench_model_config(r: Recipe, layers: int | None = None):
@@ -165,6 +163,9 @@ def bench_problems(r: Recipe, run: BenchRun, *, baseline: str | None, gpus: int 
     elif baselines and (r.engine.device == "cpu" or not cuda):
         problems.append(f"--baseline {baseline}: the baselines run on a CUDA GPU, and this bench runs on the CPU "
                         f"(engine.device={r.engine.device}); drop --baseline, or bench on a CUDA machine")
+    if baselines and r.data.packing:
+        problems.append(f"--baseline {baseline}: the baselines time one document per row, and data.packing=true "
+                        f"packs documents; drop --baseline, or set data.packing=false")
     if gpus is not None and gpus < 1:
         problems.append(f"--gpus must be >= 1, got {gpus}")
     if gpus is not None and (baselines or run.frame):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megatrain_cli.bench.loop import BENCH_LR, run_timed_steps, synthetic_batch
+from megatrain_cli.bench.loop import BENCH_LR, BenchRows, run_timed_steps, synthetic_batch
 from megatrain_cli.bench.result import BenchResult
 from megatrain_cli.engine.plan.lean import GiB, fmt_bytes
 from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
@@ -34,6 +34,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
     vocab = planned.config.vocab_size
     metrics = None
     try:
+        rows = BenchRows(r, vocab, steps=warmup + steps, micro_batches=accum)
         t_pin = time.perf_counter()
         pinned = engine.reserve_checkpoint_buffers([(batch, seq)] * accum)  # 0 without a lean plan, and on CPU
         t_pin = time.perf_counter() - t_pin
@@ -46,7 +47,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
             def show(s: int, res, took: float) -> None:
                 nonlocal metrics
                 metrics = step_metrics(res, engine=engine, step=s, total=warmup + steps, lr=BENCH_LR, skipped=0,
-                                       step_time=took, seq_len=seq)
+                                       step_time=took, seq_len=seq, attended=rows.attended_per_step([s]))
                 dash.update(metrics)
                 spec = res.speculation
                 log(f"[bench] step {s}{' (warm-up)' if s < warmup else ''}: loss {res.loss:.4f} "
@@ -54,16 +55,15 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
                     f"{({k: round(v, 2) for k, v in res.times.items()})}"
                     + (f" speculated {spec['speculated']} corrected {spec['corrected']}" if spec else ""))
 
-            timed = run_timed_steps(
-                engine, lambda s: [synthetic_batch(vocab, batch, seq, seed=s * 97 + k) for k in range(accum)],
-                warmup=warmup, steps=steps, optimizer=run.optimizer, on_step=show)
+            timed = run_timed_steps(engine, rows, warmup=warmup, steps=steps, optimizer=run.optimizer, on_step=show)
         results, stall, wall = timed.results, timed.stall_s, timed.wall_s
         step_time = wall / steps
         tokens = batch * seq * accum
         # The chunked MLP's extra gate/up FLOPs are per micro-batch of batch x seq tokens, as it chunks them.
         chunk = lean.mlp_chunk_tokens if lean is not None and batch * seq > (lean.mlp_chunk_tokens or 0) else None
         flops, executed = streamed_step_flops(store, rows=batch * accum, seq=seq,
-                                              recomputed_layers=engine.recomputed_layers(), mlp_chunk_tokens=chunk)
+                                              recomputed_layers=engine.recomputed_layers(), mlp_chunk_tokens=chunk,
+                                              attended=rows.attended_per_step(range(warmup, warmup + steps)))
         # On the memory-lean path the checkpoints' trips to host memory and back cross PCIe too.
         ckpt_d2h, ckpt_h2d = timed.offload_d2h_bytes, timed.offload_h2d_bytes
         split = {k: round(sum(x.times.get(k, 0.0) for x in results) / steps, 3)
@@ -95,7 +95,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
             h2d_gbps=(sum(x.h2d_bytes for x in results) + ckpt_h2d) / wall / 1e9,
             d2h_gbps=(sum(x.d2h_bytes for x in results) + ckpt_d2h) / wall / 1e9,
             overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=timed.losses,
-            notes=notes, grad_norms=[x.grad_norm for x in results])
+            notes=notes, grad_norms=[x.grad_norm for x in results], packed=rows.describe())
         steady = timed.steady_step_s() if run.optimizer else None
         if steady:
             result.steady_step_time_s = steady

@@ -4,9 +4,9 @@ Every example becomes ids and a loss mask (tokenize.py): tokens of a supervised 
 included, are labelled with their own ids (the engine shifts labels, as HF does), every other token
 with -100 (no loss): the prompt, the turns around the replies. Rows are `seq_len` long: with packing,
 several examples per row, `position_ids` restarting at 0 where each one starts (the engine turns the
-resets into a block-causal mask, so examples never see each other); without it, one example per
-row. The tail of a row is padding: pad ids, label -100, positions continuing the last example (so
-padding adds no reset, and a one-example row needs no mask at all).
+resets into document boundaries for the attention, models/attention.py, so examples never see each
+other); without it, one example per row. The tail of a row is padding: pad ids, label -100, positions
+continuing the last example (so padding adds no reset, and a one-example row has one document).
 
 Rows are fixed once built; each epoch visits them in an order drawn from a generator seeded by
 (seed, epoch). `state_dict` is (epoch, cursor) plus a fingerprint of the data, which is all a
@@ -235,3 +235,34 @@ def left_out_report(left_out: dict[str, list[int]], total: int, shown: int = 5) 
                      f"{', '.join(map(str, ids[:shown]))}{more}; {fix})")
     n = sum(map(len, left_out.values()))
     return f"{n} of {total} training examples left out: " + "; ".join(parts)
+
+
+def synthetic_lengths(tokens: int, mean: int, spread: float, longest: int, seed: int) -> list[int]:
+    """Document lengths from a log-normal with mean `mean` tokens and sigma `spread` (0: every document `mean`
+    long; about 1: the long tail of chat and instruction data), drawn until they sum to `tokens` or more; each
+    in [1, longest]. The same arguments always draw the same lengths."""
+    rng = np.random.default_rng(seed)
+    mu = math.log(mean) - spread ** 2 / 2  # E[exp(N(mu, s))] = exp(mu + s^2 / 2) = mean
+    out: list[int] = []
+    total = 0
+    while total < tokens:
+        draw = np.clip(np.rint(rng.lognormal(mu, spread, size=1024)), 1, longest).astype(np.int64).tolist()
+        for n in draw:
+            out.append(n)
+            total += n
+            if total >= tokens:
+                break
+    return out
+
+
+def synthetic_train_data(lengths: list[int], vocab: int, seq_len: int, seed: int) -> TrainData:
+    """Packed rows of documents of these lengths (cut to seq_len, as build_train_data cuts them), packed as
+    training packs them (pack_rows), of uniform random ids, every token a label: the bench's packed rows."""
+    lengths = [min(n, seq_len) for n in lengths]
+    g = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    tokens = torch.randint(0, vocab, (total,), generator=g, dtype=torch.int64).to(torch.int32)
+    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    return TrainData(tokens, offsets, torch.ones(total, dtype=torch.bool), pack_rows(lengths, seq_len),
+                     seq_len=seq_len, pad_token_id=0, seed=seed, packing=True)

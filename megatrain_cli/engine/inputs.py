@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_cli.batch import IGNORE_INDEX, MAX_LONG_CONTEXT_MASK, MicroBatch
+from megatrain_cli.models.attention import document_bounds
 
 
 @dataclass
@@ -31,19 +32,15 @@ class StepInputs:
 
 def check_mask_size(pos: torch.Tensor, window: int | None) -> None:
     """The long-context path refuses rows whose dense [T, T] mask would pass MAX_LONG_CONTEXT_MASK (it would
-    also keep SDPA off flash/cuDNN): packed rows (positions restart inside a row) or a sliding window
-    shorter than the row. One host sync on the positions."""
+    also keep SDPA off flash/cuDNN): one document per row with a sliding window shorter than the row. Packed
+    rows build no mask (models/attention.py: the documents' boundaries go to the attention instead), nor
+    does a row without a window. `pos`: the host positions."""
     b, t = pos.shape
-    if b * t * t <= MAX_LONG_CONTEXT_MASK:
+    if b * t * t <= MAX_LONG_CONTEXT_MASK or window is None or window >= t or document_bounds(pos) is not None:
         return
-    if window is not None and window < t:
-        raise ValueError(f"the model's sliding window ({window} tokens) is shorter than train.seq_len ({t}): its "
-                         f"dense [T, T] mask ({b * t * t / 2**30:.0f} GiB) is too large at long context; use "
-                         f"train.seq_len <= {int((MAX_LONG_CONTEXT_MASK // b) ** 0.5)}")
-    if bool((pos[:, 1:] == 0).any()):
-        raise ValueError(f"packed rows (positions restart inside a row) of {t} tokens need a [T, T] block-causal "
-                         f"mask ({b * t * t / 2**30:.0f} GiB) and keep SDPA off flash/cuDNN: at long context "
-                         f"train one document per row (data.packing=false)")
+    raise ValueError(f"the model's sliding window ({window} tokens) is shorter than train.seq_len ({t}): its "
+                     f"dense [T, T] mask ({b * t * t / 2**30:.0f} GiB) is too large at long context; use "
+                     f"train.seq_len <= {int((MAX_LONG_CONTEXT_MASK // b) ** 0.5)}")
 
 
 def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: torch.device, dtype: torch.dtype,
@@ -69,7 +66,7 @@ def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: to
         e = rows[inv_dev[start:start + b * t]].view(b, t, H).requires_grad_()
         start += b * t
         pos = mb.position_ids if mb.position_ids is not None else torch.arange(t).expand(b, t)
-        pos = pos.to(device)
+        pos = pos.cpu()  # read on the host (documents, the mask check), moved by layer_inputs
         if check_mask:
             check_mask_size(pos, adapter.sliding_window)
         with torch.enable_grad():

@@ -9,14 +9,16 @@ tokens than a dense one of the same FLOPs to hide its transfers.
 
 from __future__ import annotations
 
+from megatrain_cli.models.attention import document_bounds
 from megatrain_cli.models.families import is_expert_param, moe_spec
 
 
 def model_flops(num_matmul_params: int, tokens: int, batch: int, seq_len: int, hidden: int,
-                num_layers: int) -> float:
+                num_layers: int, attended: float | None = None) -> float:
     """Model FLOPs of one training step (forward + backward), the numerator of MFU.
 
-        6 * num_matmul_params * tokens  +  6 * batch * seq_len**2 * hidden * num_layers
+        6 * num_matmul_params * tokens  +  6 * attended * hidden * num_layers,
+        attended = sum over the step's documents of doc_len**2  (= batch * seq_len**2, one document per row)
 
     - 6 = 2 (multiply-add) for the forward matmul + 4 for the backward (gradient of the input and
       of the weight), per parameter per token.
@@ -26,12 +28,29 @@ def model_flops(num_matmul_params: int, tokens: int, batch: int, seq_len: int, h
       the embedding, the shared matrix is counted once, as the head).
     - The attention term: QK^T and attention-times-V cost 2 * 2 * s^2 * h forward per sequence
       per layer, so 12 * b * s^2 * h * L forward+backward for full attention; causal attention
-      needs only half of it: 6 * b * s^2 * h * L. Packed rows are counted as one causal sequence of
-      seq_len (the kernel computes the whole causal triangle; the block mask only hides entries).
+      needs only half of it: 6 * b * s^2 * h * L. Packed rows count each document's own causal triangle,
+      6 * sum(doc_len^2) * h * L (`attended`, attention_pairs): a document attends only to itself, and the
+      varlen kernel (models/attention.py) computes no more. One document per row: attended = b * s^2.
     - Recompute is NOT counted (see executed_flops): a smarter schedule must not look faster by
       doing more work. Norms, activations, softmax and the loss are left out (lower order).
     """
-    return 6.0 * num_matmul_params * tokens + 6.0 * batch * seq_len ** 2 * hidden * num_layers
+    attended = batch * seq_len ** 2 if attended is None else attended
+    return 6.0 * num_matmul_params * tokens + 6.0 * attended * hidden * num_layers
+
+
+def attention_pairs(micro_batches) -> float:
+    """sum(doc_len^2) over every document of these micro-batches (model_flops' `attended`): documents as the
+    attention sees them (models/attention.document_bounds); a row without position ids is one document."""
+    total = 0.0
+    for mb in micro_batches:
+        b, t = mb.input_ids.shape
+        docs = document_bounds(mb.position_ids) if mb.position_ids is not None else None
+        if docs is None:
+            total += float(b * t * t)
+        else:
+            lengths = (docs[0][1:] - docs[0][:-1]).double()
+            total += float((lengths * lengths).sum())
+    return total
 
 
 def executed_flops(model_flops_value: float, recompute_fraction: float, *, head_flops: float = 0.0) -> float:
@@ -75,19 +94,21 @@ def _active(name: str, shape: tuple[int, ...], numel: int, spec) -> float:
 
 
 def streamed_step_flops(store, *, rows: int, seq: int, recomputed_layers: int,
-                        mlp_chunk_tokens: int | None = None) -> tuple[float, float]:
+                        mlp_chunk_tokens: int | None = None, attended: float | None = None) -> tuple[float, float]:
     """(model FLOPs, executed FLOPs) of one step over `rows` sequences of `seq` tokens. Model FLOPs: 6 x
-    matmul params x tokens + causal attention (metrics.model_flops). Executed adds the forward of every
-    recomputed layer (2 x its params x tokens + its attention) and, with a chunked MLP, the gate and up
-    projections its backward runs again."""
+    matmul params x tokens + causal attention within documents (metrics.model_flops; `attended`: the
+    step's attention_pairs, None for one document per row). Executed adds the forward of every recomputed
+    layer (2 x its params x tokens + its attention) and, with a chunked MLP, the gate and up projections
+    its backward runs again."""
     a = store.adapter
     cfg = a.config
     tokens = rows * seq
-    flops = model_flops(matmul_params(store), tokens, rows, seq, a.hidden_size, a.num_layers)
+    attended = rows * seq * seq if attended is None else attended
+    flops = model_flops(matmul_params(store), tokens, rows, seq, a.hidden_size, a.num_layers, attended)
     spec = moe_spec(cfg)
     layer_params = sum(_active(s.name, s.shape, s.numel, spec)
                        for n in store.layer_names for s in store.layouts[n].places) / a.num_layers
-    extra = (2.0 * layer_params * tokens + 2.0 * rows * seq * seq * a.hidden_size) * recomputed_layers
+    extra = (2.0 * layer_params * tokens + 2.0 * attended * a.hidden_size) * recomputed_layers
     if mlp_chunk_tokens and tokens > mlp_chunk_tokens:  # only dense MLPs are chunked (routed experts run whole)
         dense = sum(not any(is_expert_param(s.name, s.shape, spec) for s in store.layouts[n].places)
                     for n in store.layer_names)

@@ -15,12 +15,13 @@ from megatrain_cli.metrics.record import StepMetrics
 
 
 def step_metrics(res, *, engine, step: int, total: int, lr: float, skipped: int, step_time: float,
-                 seq_len: int, eta: float | None = None) -> StepMetrics:
-    """`step` is 0-based here; the metrics carry it 1-based."""
+                 seq_len: int, eta: float | None = None, attended: float | None = None) -> StepMetrics:
+    """`step` is 0-based here; the metrics carry it 1-based. `attended`: the step's flops.attention_pairs
+    (packed rows: model TFLOPS count attention within documents); None: one document per row."""
     store, device = engine.store, engine.device
     flops, executed = streamed_step_flops(store, rows=res.tokens // seq_len, seq=seq_len,
                                           recomputed_layers=engine.recomputed_layers(),
-                                          mlp_chunk_tokens=engine.mlp_chunk_tokens())
+                                          mlp_chunk_tokens=engine.mlp_chunk_tokens(), attended=attended)
     tflops = flops / step_time / 1e12
     cuda = device.type == "cuda"
     peak = peak_tflops(torch.cuda.get_device_name(device)) if cuda else None

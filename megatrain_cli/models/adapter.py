@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from megatrain_cli.models import families
+from megatrain_cli.models.attention import use_entry
 from megatrain_cli.models.families import UnsupportedModel
 from megatrain_cli.store.tiles import ParamSpec
 
@@ -148,8 +149,13 @@ class ModelAdapter:
         return f"{type(self._layers[index]).__name__}|{self.layer_types[index]}|{hash(shapes)}"
 
     def make_layer_template(self, index: int) -> nn.Module:
-        """A meta-device decoder layer: the computation, no weights (a copy of the meta model's layer)."""
+        """A meta-device decoder layer: the computation, no weights (a copy of the meta model's layer, with
+        its own copy of the config). Its attention goes through the packed-attention entry
+        (models/attention.py): rows of one document run HF's own implementation as before, packed rows
+        the varlen kernel or the per-document reference, chosen per call from this layer's window,
+        softcap and sinks."""
         template = copy.deepcopy(self._layers[index])
+        use_entry(template)
         template.train()
         return template
 

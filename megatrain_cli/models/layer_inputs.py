@@ -1,8 +1,8 @@
 """What each decoder layer is called with, built by the model's own HF decoder code.
 
 The engine runs decoder layers one at a time, so it must hand each the arguments HF's decoder loop would:
-per-layer-type attention masks (full, sliding window, chunked; block-causal for packed rows, detected
-from the position ids as transformers does), per-layer-type rotary tables (Gemma 3 has two RoPE bases),
+per-layer-type attention masks (full, sliding window, chunked; for packed rows, detected from the position
+ids as transformers does, the documents' boundaries instead), per-layer-type rotary tables (Gemma 3 has two RoPE bases),
 position ids, and whatever that family's loop adds. Rather than re-implement each family, `LayerInputs`
 runs the HF decoder's own forward on a SHELL: the decoder module with its layers replaced by recorders
 (they note their arguments and pass the hidden state through) and its final norm by an identity. Its
@@ -13,7 +13,12 @@ The first recorder's hidden state is the layer-0 input: whatever a family's deco
 embeddings before its layers (older Gemma code scaled them there; Granite-style multipliers) happens
 here, differentiably. Costs per micro-batch: one
 pass of HF's mask and rotary code (the masks as HF builds them: None when SDPA can run causal, a dense
-[B, 1, T, T] mask for packed rows or a window shorter than the sequence).
+[B, 1, T, T] mask for a window shorter than the sequence).
+
+Packed rows (positions restart inside a row) run a second shell whose config names the packed-attention
+entry (models/attention.py): HF's mask code then builds no mask, and the documents' boundaries go in as
+HF's padding-free arguments (cu_seq_lens_q/k, max_length_q/k), which the decoder hands every layer and
+each layer's attention hands the entry. Rows with one document each take the first shell, as before.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from megatrain_cli.models.attention import config_with_entry, document_bounds, document_kwargs
 
 
 class _Recorder(nn.Module):
@@ -71,11 +78,23 @@ class LayerInputs:
             shell._modules[rotary_attr] = rotary
         self.num_layers = num_layers
         self._shell = shell.train()
+        packed = copy.copy(shell)  # the same recorders and rotary; only the config differs
+        packed._modules = dict(shell._modules)
+        packed.config = config_with_entry(decoder.config)
+        self._packed_shell = packed.train()
 
     def __call__(self, embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerCall:
-        """Run HF's decoder forward on `embeds` [B, T, H] (autograd follows it: see module doc)."""
+        """Run HF's decoder forward on `embeds` [B, T, H] (autograd follows it: see module doc).
+        `position_ids` [B, T]: best on the host (the documents are read there; they move to the device
+        here)."""
         self._record.clear()
-        out = self._shell(inputs_embeds=embeds, position_ids=position_ids, use_cache=False)
+        docs = document_bounds(position_ids)
+        pos = position_ids.to(embeds.device)
+        if docs is None:
+            out = self._shell(inputs_embeds=embeds, position_ids=pos, use_cache=False)
+        else:
+            bounds = document_kwargs(docs[0].to(embeds.device), docs[1])
+            out = self._packed_shell(inputs_embeds=embeds, position_ids=pos, use_cache=False, **bounds)
         last = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
         if len(self._record) != self.num_layers or last.shape != embeds.shape:
             raise ValueError(f"{type(self._shell).__name__}'s forward does not run its decoder layers as one "
@@ -83,4 +102,8 @@ class LayerInputs:
         hidden = self._record[0][0]
         kwargs = [self._record[i][1] for i in range(self.num_layers)]
         self._record.clear()
+        if docs is not None and any(kw.get("cu_seq_lens_q") is not bounds["cu_seq_lens_q"] for kw in kwargs):
+            raise ValueError(f"{type(self._shell).__name__}'s forward does not hand its layers HF's padding-free "
+                             f"arguments (cu_seq_lens_q, ...): its packed rows cannot be told apart; use "
+                             f"data.packing=false")
         return LayerCall(hidden, kwargs)

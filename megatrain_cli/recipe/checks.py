@@ -54,6 +54,10 @@ def check_semantics(r: Recipe, problems: list[str], *, for_training: bool = True
     _check_outputs(r, problems)
     _check_data(r, problems)
     _check_preference(r, problems)
+    _at_least(problems, "bench.doc_len_mean", r.bench.doc_len_mean, 1)
+    if non_finite(r.bench.doc_len_spread) or r.bench.doc_len_spread < 0:
+        problems.append(f"bench.doc_len_spread: must be a finite number >= 0 (0: every document the same length), "
+                        f"got {r.bench.doc_len_spread}")
 
 
 def _at_least(problems: list[str], key: str, value, low: int, *, nullable: bool = False) -> None:

@@ -75,8 +75,9 @@ class DataConfig:
                                      "data.source=openai/gsm8k:main data.test_source=openai/gsm8k:main.", None)
     split_seed: int = doc("Seed of the train/test split and of a mixture's draw (data.datasets).", 1234)
     max_samples: Optional[int] = doc("Use at most this many records (before splitting; a mixture's total).", None)
-    packing: bool = doc("Pack several examples per row (block-causal attention, positions reset) so no "
-                        "FLOPs go to padding.", True)
+    packing: bool = doc("Pack several examples per row (positions reset; each example attends only to itself, "
+                        "through the varlen attention kernel on CUDA: no mask, at any train.seq_len) so no FLOPs "
+                        "go to padding.", True)
     num_proc: int = doc("Processes for tokenisation.", 1)
     cache_dir: Union[Literal["auto", "off"], str] = doc(
         "Cache of tokenised examples (keyed by the data, tokenizer, template and train_on): 'auto' (the user's "
@@ -259,6 +260,19 @@ class EvalConfig:
 
 
 @dataclass
+class BenchConfig:
+    doc_lengths: Literal["synthetic", "data"] = doc(
+        "`megatrain bench` with data.packing=true: where its packed rows' documents come from. 'synthetic': "
+        "lengths drawn from a log-normal (bench.doc_len_mean, bench.doc_len_spread), random tokens; 'data': "
+        "data.source's training rows exactly as `train` builds them (tokenised, cut to train.seq_len, packed). "
+        "Read by bench only; without packing its rows are one synthetic document each.", "synthetic")
+    doc_len_mean: int = doc("Mean length in tokens of the synthetic documents (each cut to train.seq_len).", 512)
+    doc_len_spread: float = doc("Sigma of the log-normal of the synthetic lengths: 0 makes every document "
+                                "bench.doc_len_mean tokens long; 1 is the long tail of chat and instruction data.",
+                                1.0)
+
+
+@dataclass
 class Recipe:
     model: ModelConfig = doc("What to train.", factory=ModelConfig)
     data: DataConfig = doc("What to train on.", factory=DataConfig)
@@ -269,6 +283,8 @@ class Recipe:
     checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
     logging: LoggingConfig = doc("Metrics and the live view.", factory=LoggingConfig)
     eval: EvalConfig = doc("Held-out exact-match eval.", factory=EvalConfig)
+    bench: BenchConfig = doc("What `megatrain bench` times besides the training settings: its packed rows' "
+                             "documents.", factory=BenchConfig)
     output_dir: str = doc("Where checkpoints, metrics and final/ go.", "runs/default")
 
 

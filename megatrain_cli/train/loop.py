@@ -141,6 +141,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
          total: int, candidates) -> int:
     from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
+    from megatrain_cli.metrics.flops import attention_pairs
     from megatrain_cli.metrics.step import step_metrics
     from megatrain_cli.optim.host_adamw import lr_at
     from megatrain_cli.recipe.load import to_dict
@@ -204,6 +205,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
             for step in range(start, total):
                 t0 = time.perf_counter()
                 mbs = data.next_step(t.micro_batch_size, t.grad_accum)
+                attended = attention_pairs(mbs)  # the global batch's documents: model TFLOPS count within them
                 if dist is not None:  # every rank draws the global batch and keeps its share
                     from megatrain_cli.engine.dist import split_micro_batches
 
@@ -214,7 +216,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                 validate = held_out is not None and held_out.due(step + 1, total)
                 if (step + 1) % r.logging.every_n_steps == 0 or step + 1 == total or validate:
                     m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skips.skipped,
-                                     step_time=time.perf_counter() - t0, seq_len=t.seq_len,
+                                     step_time=time.perf_counter() - t0, seq_len=t.seq_len, attended=attended,
                                      eta=(time.perf_counter() - t_run) / (step + 1 - start) * (total - step - 1))
                     if validate:  # after the step's figures: the pass neither counts in them nor changes them
                         m.val_loss = held_out.loss(engine)

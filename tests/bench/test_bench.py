@@ -168,3 +168,35 @@ def test_engine_max_gpu_mem_caps_the_allocator_of_an_unindexed_cuda_device(monke
     assert cap_allocator(torch.device("cuda"), 24 << 30) == 0.25
     assert cap_allocator(torch.device("cuda", 1), 200 << 30) == 1.0
     assert calls == [(0.25, 3), (1.0, 1)]
+
+
+def test_packed_bench_times_packed_rows_and_counts_attention_within_documents(monkeypatch):
+    """Issue #31: `bench data.packing=true` draws log-normal documents (bench.doc_len_*), packs them as training
+    does and times them; model TFLOPS count 6 x sum(doc_len^2) x hidden x layers, and the table says so."""
+    from megatrain_cli.metrics.flops import attention_pairs, streamed_step_flops
+    from megatrain_cli.models import attention
+
+    engines = capture_engines(monkeypatch)
+    taken = []
+    real_step = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self, mbs, lr: taken.append(mbs) or real_step(self, mbs, lr))
+    r = cpu_recipe("data.packing=true", "bench.doc_len_mean=12", "bench.doc_len_spread=0.5", batch=2, seq=64)
+    res = run_bench(r, BenchRun(steps=2, warmup=1), log=lambda line: None)
+    assert all(attention.document_bounds(mb.position_ids) is not None for mbs in taken for mb in mbs)
+    attended = sum(attention_pairs(mbs) for mbs in taken[1:]) / 2  # the timed steps'
+    assert attended < 2 * 64 * 64 / 2  # documents of ~12 tokens: far less than one document per row
+    flops, _ = streamed_step_flops(engines[0].store, rows=2, seq=64, recomputed_layers=engines[0].recomputed_layers(),
+                                   attended=attended)
+    assert res.model_tflops == pytest.approx(flops / res.step_time_s / 1e12, rel=1e-6)
+    assert res.packed.startswith("packed rows:") and "within documents only" in res.packed
+    assert res.packed in format_table([res])
+    unpacked = run_bench(cpu_recipe(batch=2, seq=64), BenchRun(steps=1, warmup=0), log=lambda line: None)
+    assert unpacked.packed == "" and "packed rows" not in format_table([unpacked])
+
+
+def test_packed_bench_refuses_baselines():
+    from megatrain_cli.bench.settings import bench_problems
+
+    problems = bench_problems(cpu_recipe("data.packing=true", "engine.device=cuda"), BenchRun(), baseline="native",
+                              gpus=None, output=None, cuda=True)
+    assert any("the baselines time one document per row, and data.packing=true" in p for p in problems)

@@ -37,3 +37,12 @@ def test_time_checkpoint_round_trips(tmp_path):
     assert p.returncode == 0, p.stderr[-2000:]
     result = json.loads(out.read_text())
     assert result["round_trip_equal"] and result["checkpoint_bytes"] > 0 and result["load_s"] > 0
+
+
+def test_packing_efficiency_prints_best_fit_greedy_and_the_bound():
+    p = run("scripts/packing_efficiency.py", "--synthetic", "64,1.0", "--tokens", "20000", "--seq", "512")
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = p.stdout.strip().splitlines()[-1].split("|")
+    assert row[1].strip() == "synthetic log-normal mean 64 spread 1.0" and row[2].strip() == "512"
+    best, greedy, bound = (int(cell.split()[0]) for cell in row[6:9])
+    assert bound <= best <= greedy

@@ -273,7 +273,10 @@ def test_bench_long_context_refuses_a_plan_that_does_not_fit():
     assert res.steps == 0 and "DOES NOT FIT" in "\n".join(lines)
 
 
-def test_packed_long_rows_are_refused_before_the_mask_is_built(monkeypatch):
+def test_long_rows_build_no_mask_and_only_an_unpacked_window_is_refused(monkeypatch):
+    """Past the mask limit (lowered here to below these rows) the long-context path runs packed rows (no mask:
+    their documents go to the attention, models/attention.py) and one document per row; it refuses only a
+    row of one document whose sliding window is shorter than the row (its dense window mask)."""
     from megatrain_cli.engine import inputs as inputs_module
 
     monkeypatch.setattr(inputs_module, "MAX_LONG_CONTEXT_MASK", 2 * SEQ * SEQ - 1)
@@ -284,8 +287,20 @@ def test_packed_long_rows_are_refused_before_the_mask_is_built(monkeypatch):
     (mbs,) = random_batches(config.vocab_size, 1, 1, batch=BATCH, seq=SEQ, seed=0)
     engine.forward_backward(mbs)  # one document per row: no mask, whatever the length
     mbs[0].position_ids = torch.cat([torch.arange(9), torch.arange(7)]).expand(BATCH, SEQ).clone()
-    with pytest.raises(ValueError, match="data.packing=false"):
+    engine.forward_backward(mbs)  # packed rows: no mask either
+    calls = [engine.layer_inputs(torch.zeros(BATCH, SEQ, config.hidden_size), mbs[0].position_ids)]
+    assert calls[0].masks() == [] and calls[0].kwargs[0]["cu_seq_lens_q"].tolist() == [0, 9, 16, 25, 32]
+    engine.close()
+
+    windowed = tiny_config("mistral", layers=2)  # a window of 6 < 16 tokens
+    store = build_store(windowed, torch.float32, seed=0)
+    engine = Engine(store, TrainConfig(), device=torch.device("cpu"), long_context=forced_plan(windowed, 1, lean=False,
+                                                                                                offloaded=1))
+    (mbs,) = random_batches(windowed.vocab_size, 1, 1, batch=BATCH, seq=SEQ, seed=0)
+    with pytest.raises(ValueError, match=r"sliding window \(6 tokens\) is shorter than train.seq_len \(16\)"):
         engine.forward_backward(mbs)
+    mbs[0].position_ids = torch.cat([torch.arange(9), torch.arange(7)]).expand(BATCH, SEQ).clone()
+    engine.forward_backward(mbs)  # the same rows packed: the window goes to the attention, no mask
     engine.close()
 
 

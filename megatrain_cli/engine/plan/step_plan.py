@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatrain_cli.batch import MAX_LONG_CONTEXT_MASK
 from megatrain_cli.engine.plan.lean import LeanPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
 from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
                                               resident_device_bytes, resolve_keep_blocks, resolve_resident_layers)
@@ -100,20 +99,6 @@ def device_budget(r: Recipe, device: torch.device) -> int | None:
     return None
 
 
-def _packed_rows_problem(r: Recipe) -> str:
-    """Packed rows need a [B, 1, T, T] block-causal mask; past MAX_LONG_CONTEXT_MASK elements (one
-    65536-token row) the engine would refuse them at the first step: refuse the recipe instead."""
-    b, t = r.train.micro_batch_size, r.train.seq_len
-    if not (r.data.packing and b * t * t > MAX_LONG_CONTEXT_MASK):
-        return ""
-    rows = f"{b} packed rows" if b > 1 else "a packed row"
-    fix = "data.packing=false (one document per row)" + (", or a smaller train.micro_batch_size"
-                                                         if t * t <= MAX_LONG_CONTEXT_MASK else "")
-    return (f"data.packing with train.seq_len={t}: {rows} of {t} tokens need a block-causal mask of "
-            f"{b * t * t / 2**30:.0f} GiB and keep SDPA off flash/cuDNN; the long-context path takes at most "
-            f"{MAX_LONG_CONTEXT_MASK // 2**30} GiB ({int(MAX_LONG_CONTEXT_MASK ** 0.5)} tokens in one row). Use {fix}")
-
-
 def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = False,
               budget: int | None = None, one_process: bool = True, like: LeanPlan | None = None) -> StepPlan:
     """The step's plan for `r` on `device` (a dry run may plan for CUDA on a machine without it): on the
@@ -123,16 +108,12 @@ def plan_step(r: Recipe, adapter, device: torch.device, *, store_built: bool = F
     check is skipped and the lean plan's host budget is what is free now. `budget`: device bytes to plan
     for instead of device_budget(r, device) (e.g. less what NCCL's buffers take). `one_process` False: a
     data-parallel rank, which keeps no layer resident (engine/resident.py), so 'auto' resident layers are 0.
-    `like`: on the long-context path, another lean plan whose choices to take (lean.plan_for_training).
-    Raises ValueError for a recipe no plan can serve (packed rows too long for the mask)."""
+    `like`: on the long-context path, another lean plan whose choices to take (lean.plan_for_training)."""
     if not one_process and r.engine.resident_layers == "auto":
         r = dataclasses.replace(r, engine=dataclasses.replace(r.engine, resident_layers=0))
     s = _Setup.of(r, adapter, device, store_built, device_budget(r, device) if budget is None else budget)
     e, t = r.engine, r.train
     if e.long_context_min_seq is not None and t.seq_len >= e.long_context_min_seq:
-        problem = _packed_rows_problem(r)
-        if problem:
-            raise ValueError(problem)
         return _long_context(s, s.lean_resident, like)
     return _first_fitting(_candidates(s))
 
@@ -210,7 +191,7 @@ def _candidates(s: _Setup) -> Iterator[StepPlan]:
         memory.notes.append(f"{' and '.join(autos)} 'auto' decided on the GPU from its memory (0 assumed here)")
     too_big = device_problem(memory, device=s.device, device_budget=s.budget) if s.budget is not None else ""
     host = s.host_problems(memory)
-    lean_ok = e.memory_fallback and not host and not _packed_rows_problem(s.r)
+    lean_ok = e.memory_fallback and not host
     if not too_big and lean_ok and e.resident_layers == "auto" and not keep and s.budget and s.device.type == "cuda":
         yield from _more_resident(s, resident)
     threshold = "never" if e.long_context_min_seq is None else e.long_context_min_seq
