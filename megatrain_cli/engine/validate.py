@@ -49,6 +49,9 @@ def forward_passes(engine, micro_batches: Iterable[MicroBatch], group: int, head
     if group < 1:
         raise ValueError(f"group must be >= 1, got {group}")
     engine.synchronize(masters=False)  # pending host updates land: the pass reads current masters
+    before_first_step = not engine.resident.loaded  # the reference pass: a resume may still fill the host tiles
+    if before_first_step:
+        engine.resident.load()
     batches = iter(micro_batches)
     try:
         while mbs := list(itertools.islice(batches, group)):
@@ -57,6 +60,8 @@ def forward_passes(engine, micro_batches: Iterable[MicroBatch], group: int, head
                 on_pass(mbs)
     finally:
         engine.streamer.invalidate()  # every slot free: the next step fetches as after any step
+        if before_first_step:
+            engine.resident.release()
 
 
 def validation_loss(engine, micro_batches: list[MicroBatch], group: int = 1) -> tuple[float, int]:
@@ -75,16 +80,16 @@ def validation_loss(engine, micro_batches: list[MicroBatch], group: int = 1) -> 
 
 
 def score_passes(engine, micro_batches: Iterable[MicroBatch], group: int,
-                 on_scores: Callable[[MicroBatch, object], None]) -> None:
+                 on_scores: Callable[[MicroBatch, object], None], on_pass: Callable[[list], None] | None = None) -> None:
     """Each sequence's sum of label log-probs and its label count (methods SequenceScores), by the preference
     head's pass 1 (engine/preference_head.score: the function a training step scores the policy with), per
-    micro-batch: on_scores(micro-batch, its scores on the device)."""
+    micro-batch: on_scores(micro-batch, its scores on the device); on_pass as forward_passes'."""
     def head(e, h, x, mbs):
         weights = HeadWeights(e, grad=False)
         for hid, lab, mb in zip(h, x.labels, mbs):
             on_scores(mb, score(e, weights, hid, lab, mb))
 
-    forward_passes(engine, micro_batches, group, head)
+    forward_passes(engine, micro_batches, group, head, on_pass)
 
 
 def _pass(engine, mbs: list[MicroBatch], head: Callable):
