@@ -27,7 +27,7 @@ class MicroBatch:
 @dataclass
 class StepResult:
     losses: list[float]  # mean loss per micro-batch (its own tokens)
-    loss: float  # token-weighted mean over the step
+    loss: float  # token-weighted mean over the step (a preference method: the mean over its pairs / examples)
     grad_norm: float
     tokens: int  # input tokens processed
     loss_tokens: int  # tokens that carried loss
@@ -37,3 +37,4 @@ class StepResult:
     d2h_bytes: int = 0
     h2d_count: dict = field(default_factory=dict)
     speculation: dict = field(default_factory=dict)  # tiles updated before the verdict / corrected
+    metrics: dict = field(default_factory=dict)  # a preference method's, TRL's names -> the step's mean

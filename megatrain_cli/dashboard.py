@@ -114,6 +114,19 @@ PLAIN_COLUMNS: list[PlainColumn] = [
 VAL_COLUMN: PlainColumn = ("val loss", 9, lambda m: fmt_num(m.val_loss, ".4f"))
 
 
+def _pref(m: StepMetrics, name: str, held_out: bool = False) -> float | None:
+    values = m.val_preference if held_out else m.preference
+    return (values or {}).get(name)
+
+
+# A preference method's (train.method): the share of pairs ranked right and the mean reward margin (TRL's names)
+PREFERENCE_COLUMNS: list[PlainColumn] = [
+    ("acc", 6, lambda m: fmt_num(_pref(m, "rewards/accuracies"), ".3f")),
+    ("margin", 8, lambda m: fmt_num(_pref(m, "rewards/margins"), ".4f")),
+]
+VAL_PREFERENCE_COLUMN: PlainColumn = ("val acc", 7, lambda m: fmt_num(_pref(m, "rewards/accuracies", True), ".3f"))
+
+
 def _plain_row(cells: list[str], columns: list[PlainColumn] = PLAIN_COLUMNS) -> str:
     return " | ".join(cell.rjust(width) for cell, (_, width, _) in zip(cells, columns))
 
@@ -127,7 +140,7 @@ class Dashboard:
     """Shows StepMetrics as they arrive. Use as a context manager around the training loop."""
 
     def __init__(self, mode: str = "auto", total_steps: int = 0, title: str = "megatrain",
-                 console: Console | None = None, val_every: int | None = None):
+                 console: Console | None = None, val_every: int | None = None, preference: bool = False):
         if mode not in MODES:
             raise ValueError(f"dashboard mode must be one of {', '.join(MODES)}; got {mode!r}")
         self.console = console if console is not None else Console()
@@ -140,9 +153,13 @@ class Dashboard:
         # Validation: every `val_every` steps (None: off); (step, loss) of the passes so far.
         self.val_every = val_every
         self.val_history: deque[tuple[int, float]] = deque(maxlen=48)
-        self.columns = PLAIN_COLUMNS + ([VAL_COLUMN] if val_every else [])
+        # A preference method (train.method): its metrics, and the held-out pairs' accuracy with validation.
+        self.preference = preference
+        self.columns = PLAIN_COLUMNS[:2] + (PREFERENCE_COLUMNS if preference else []) + PLAIN_COLUMNS[2:] + \
+            ([VAL_COLUMN] if val_every else []) + ([VAL_PREFERENCE_COLUMN] if val_every and preference else [])
         self._header_printed = False
         self._live: Live | None = None
+        self._progress_shown: dict[str, int] = {}  # a pass's label -> the last tenth a plain line said
         # The smallest ceiling, RAM or a cgroup's (a container's RSS is measured against that); read once.
         self._host_total = min((limit.limit for limit in host_limits()), default=0) or None
 
@@ -182,6 +199,25 @@ class Dashboard:
             else:
                 self._live.update(frame, refresh=True)
 
+    def progress(self, label: str, done: int, total: int) -> None:
+        """A pass before the steps (the reference pass): a bar in the rich view, a plain line per tenth."""
+        if self.mode == "plain":
+            tenth = 10 * done // max(1, total)
+            if self._progress_shown.get(label) != tenth:
+                self._progress_shown[label] = tenth
+                self.console.out(f"{label}: {done}/{total} rows ({done / max(1, total):.0%})", highlight=False)
+        elif self.mode == "rich":
+            line = Table.grid(expand=True, padding=(0, 2))
+            line.add_column(no_wrap=True)
+            line.add_column(ratio=1)
+            line.add_column(no_wrap=True)
+            line.add_row(Text(label, style="bold"), ProgressBar(total=max(1, total), completed=done),
+                         Text(f"{done}/{total} rows  {done / max(1, total):.0%}"))
+            if self._live is None:
+                self._start_live(line)
+            else:
+                self._live.update(line, refresh=True)
+
     def log(self, message: str) -> None:
         """A message above the live view (or between plain lines); literal text, no markup."""
         if self.mode in ("rich", "plain"):
@@ -196,12 +232,13 @@ class Dashboard:
     def render(self, m: StepMetrics) -> RenderableType:
         top = Table.grid(expand=True, padding=(0, 1))
         bottom = Table.grid(expand=True, padding=(0, 1))
+        lower = [self._time_panel(m), self._memory_panel(m)] + ([self._preference_panel(m)] if self.preference else [])
         for _ in range(3):
             top.add_column(ratio=1)
-        for _ in range(2):
+        for _ in lower:
             bottom.add_column(ratio=1)
         top.add_row(self._training_panel(m), self._throughput_panel(m), self._transfer_panel(m))
-        bottom.add_row(self._time_panel(m), self._memory_panel(m))
+        bottom.add_row(*lower)
         return Group(self._progress_line(m), top, bottom)
 
     def _progress_line(self, m: StepMetrics) -> Table:
@@ -271,6 +308,15 @@ class Dashboard:
             ("wait optimizer", share(m.time_wait_optimizer_s)),
             ("optimizer", share(m.time_optimizer_s)),
         ])
+
+    def _preference_panel(self, m: StepMetrics) -> Panel:
+        """The step's pairs (TRL's names), and the held-out pairs' accuracy at a validation pass."""
+        rows = [(name, fmt_num(_pref(m, name), ".4f")) for name in
+                ("rewards/accuracies", "rewards/margins", "rewards/chosen", "rewards/rejected", "logps/chosen",
+                 "logps/rejected")]
+        if m.val_preference:
+            rows.append(("held-out accuracies", fmt_num(_pref(m, "rewards/accuracies", True), ".4f")))
+        return _panel("preference", rows)
 
     def _memory_panel(self, m: StepMetrics) -> Panel:
         rss = fmt_bytes(m.host_rss_bytes)

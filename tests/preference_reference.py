@@ -5,7 +5,8 @@ decay on matrices only, global-norm clipping, megatrain's LR schedule).
 
 The reference model is the policy's starting weights, frozen (a copy made before the first step). A step's loss
 is the mean over its units (pairs; KTO: examples) across every micro-batch: each micro-batch's summed unit
-losses are divided by the step's unit count before its backward, as megatrain normalises per pair.
+losses are divided by the step's unit count before its backward, as megatrain normalises per pair. KTO's
+reference point z0 is the mean log-ratio over the whole step's examples (methods/kto.py).
 """
 
 from __future__ import annotations
@@ -56,12 +57,15 @@ def sequence_logps(model, seq: Sequence) -> tuple[torch.Tensor, int]:
 
 
 def unit_losses(method: str, hp: Hyper, policy: list[list], reference: list[list] | None,
-                counts: list[list[int]], desirable: list[list[bool]]) -> list[torch.Tensor]:
+                counts: list[list[int]], desirable: list[list[bool]], z0: torch.Tensor | None = None
+                ) -> list[torch.Tensor]:
     """One loss per unit of a micro-batch; policy / reference / counts / desirable hold, per unit, its
-    sequences' log-prob sums, token counts and labels (a pair: chosen first)."""
-    if method == "kto":  # Ethayarajh et al. 2024, eq. 8; z0 the micro-batch's mean log-ratio, no gradient, >= 0
+    sequences' log-prob sums, token counts and labels (a pair: chosen first). `z0`: KTO's reference point
+    (None: these units' mean log-ratio)."""
+    if method == "kto":  # Ethayarajh et al. 2024, eq. 8; z0 the step's mean log-ratio, no gradient, >= 0
         ratios = [policy[k][0] - reference[k][0] for k in range(len(policy))]
-        z0 = torch.clamp(torch.stack(ratios).detach().mean(), min=0)
+        if z0 is None:
+            z0 = torch.clamp(torch.stack(ratios).detach().mean(), min=0)
         return [hp.desirable_weight * (1 - torch.sigmoid(hp.beta * (r - z0))) if desirable[k][0]
                 else hp.undesirable_weight * (1 - torch.sigmoid(hp.beta * (z0 - r))) for k, r in enumerate(ratios)]
 
@@ -119,6 +123,12 @@ def reference_preference_train(model, steps: list[list[list[Unit]]], method: str
         for g in opt.param_groups:
             g["lr"] = lr_at(s, cfg, total_steps)
         n_units = sum(len(mb) for mb in micro_batches)
+        z0 = None
+        if method == "kto":  # over every example of the step, before any backward
+            with torch.no_grad():
+                ratios = [sequence_logps(model, u[0])[0] - sequence_logps(reference, u[0])[0]
+                          for units in micro_batches for u in units]
+            z0 = torch.clamp(torch.stack(ratios).mean(), min=0)
         step_losses = []
         for units in micro_batches:
             policy, counts, ref = [], [], []
@@ -129,7 +139,8 @@ def reference_preference_train(model, steps: list[list[list[Unit]]], method: str
                 if reference is not None:
                     with torch.no_grad():
                         ref.append([sequence_logps(reference, seq)[0] for seq in unit])
-            losses = unit_losses(method, hp, policy, ref or None, counts, [[q.desirable for q in u] for u in units])
+            losses = unit_losses(method, hp, policy, ref or None, counts, [[q.desirable for q in u] for u in units],
+                                 z0)
             (torch.stack(losses).sum() / n_units).backward()
             step_losses.append([float(v.detach()) for v in losses])
         if cfg.max_grad_norm is not None:

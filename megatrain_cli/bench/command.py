@@ -67,11 +67,17 @@ def bench_one(r, run: BenchRun, baselines: list, *, as_json: bool, output: Path 
         t = r.train
         results.append(bench_deepspeed(r.model.preset, t.micro_batch_size * t.grad_accum, t.seq_len, run.steps,
                                        warmup=run.warmup_steps(False), log=_err, timeout_s=540))
+    dashboard = "off" if as_json else r.logging.dashboard
     try:
-        ours = run_bench(r, run, log=_err, dashboard="off" if as_json else r.logging.dashboard, planned=planned)
+        if r.train.method != "sft":  # the method's step, SFT's on the same tokens, the reference pass
+            from megatrain_cli.bench.preference import run_preference_bench
+
+            results = run_preference_bench(r, run, planned=planned, log=_err, dashboard=dashboard)
+        else:
+            results.insert(0, run_bench(r, run, log=_err, dashboard=dashboard, planned=planned))
     except DoesNotFit as e:
         return _fail(f"{e}\n(the plan above has each term; engine.max_gpu_mem sets the device budget)", 3)
-    results.insert(0, ours)
+    ours = results[0]
     if "native" in baselines:
         from megatrain_cli.bench.short import bench_native
 

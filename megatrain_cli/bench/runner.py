@@ -100,10 +100,10 @@ def cap_allocator(device: torch.device, budget: int) -> float:
 
 
 def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix: str = "[bench]",
-          log=print) -> Built:
+          log=print, method=None) -> Built:
     """The host store (unless given: several runs may share one initialisation) and the engine, through
     train/setup.py. On one CUDA process engine.max_gpu_mem also caps torch's allocator, so the budget the
-    plan was made for is the one the run gets."""
+    plan was made for is the one the run gets. `method`: a preference method for the engine (None: SFT)."""
     r, device = planned.r, planned.device
     if device.type == "cuda" and r.engine.max_gpu_mem and dist is None:
         cap_allocator(device, parse_bytes(r.engine.max_gpu_mem))
@@ -114,7 +114,7 @@ def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix
     where = f" on rank 0 of {dist.world}" if dist is not None else ""
     log(f"{prefix} host store ready: {store.num_params() / 1e9:.2f} B params, {store.host_bytes() / GiB:.1f} GiB"
         f"{where}, init {time.perf_counter() - t0:.1f} s")
-    return Built(store, build_engine(r, store, planned.plan, device, dist), allocator)
+    return Built(store, build_engine(r, store, planned.plan, device, dist, method=method), allocator)
 
 
 def run_bench(r: Recipe, run: BenchRun = BenchRun(), *, log=print, dashboard: str | None = None,

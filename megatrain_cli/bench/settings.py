@@ -171,6 +171,11 @@ def bench_problems(r: Recipe, run: BenchRun, *, baseline: str | None, gpus: int 
     if gpus is not None and (baselines or run.frame):
         refused = [f for f, on in (("--baseline", baselines), ("--frame", run.frame)) if on]
         problems.append(f"--gpus: not with {', '.join(refused)} (one engine per rank, measured alone)")
+    if r.train.method != "sft" and (baselines or gpus is not None or run.layers is not None):
+        refused = [f for f, on in (("--baseline", baselines), ("--gpus", gpus is not None),
+                                   ("--layers", run.layers is not None)) if on]
+        problems.append(f"train.method={r.train.method}: not with {', '.join(refused)} (a preference bench is one "
+                        f"process over the whole model, and times the SFT step on the same tokens itself)")
     for option, path in (("--output", output), ("--frame", run.frame)):
         try:
             if path is not None:

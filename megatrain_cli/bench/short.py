@@ -23,9 +23,11 @@ from megatrain_cli.metrics.flops import hf_matmul_params, model_flops, streamed_
 from megatrain_cli.metrics.step import step_metrics
 
 
-def measure(planned, store, engine, run, *, allocator: str = "", log=print, dashboard: str | None = None) -> BenchResult:
-    """Time `engine` (built for planned.plan) over run.warmup_steps + run.steps steps; closes it.
-    `dashboard`: a Dashboard mode ('off', 'plain', 'rich', 'auto') that gets every step's metrics."""
+def measure(planned, store, engine, run, *, allocator: str = "", log=print, dashboard: str | None = None,
+            batches=None, name: str = "megatrain", close: bool = True) -> BenchResult:
+    """Time `engine` (built for planned.plan) over run.warmup_steps + run.steps steps; closes it unless not
+    `close`. `dashboard`: a Dashboard mode ('off', 'plain', 'rich', 'auto') that gets every step's metrics.
+    `batches`: step -> its micro-batches (None: the recipe's synthetic rows, bench/loop.BenchRows); `name`: the row's."""
     from megatrain_cli.dashboard import Dashboard
 
     r, plan, dev = planned.r, planned.plan, planned.device
@@ -55,7 +57,9 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
                     f"{({k: round(v, 2) for k, v in res.times.items()})}"
                     + (f" speculated {spec['speculated']} corrected {spec['corrected']}" if spec else ""))
 
-            timed = run_timed_steps(engine, rows, warmup=warmup, steps=steps, optimizer=run.optimizer, on_step=show)
+            # `batches` (a preference bench's pairs) or the recipe's synthetic rows; FLOPs count the rows' documents.
+            timed = run_timed_steps(engine, batches if batches is not None else rows, warmup=warmup, steps=steps,
+                                    optimizer=run.optimizer, on_step=show)
         results, stall, wall = timed.results, timed.stall_s, timed.wall_s
         step_time = wall / steps
         tokens = batch * seq * accum
@@ -86,7 +90,7 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
                  f"corrected={sum(x.speculation.get('corrected', 0) for x in results)} "
                  f"h2d_layer_transfers={sum(v for k, v in results[-1].h2d_count.items() if k.startswith('layers.'))}")
         result = BenchResult(
-            name="megatrain", model=planned.label, batch=batch * accum, seq=seq, steps=steps, step_time_s=step_time,
+            name=name, model=planned.label, batch=batch * accum, seq=seq, steps=steps, step_time_s=step_time,
             tokens_per_s=tokens / step_time, model_tflops=flops / step_time / 1e12,
             executed_tflops=executed / step_time / 1e12,
             peak_device_bytes=torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0,
@@ -103,7 +107,8 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
                              f"{steady:.3f} s/step, {tokens / steady:,.0f} tokens/s, "
                              f"{flops / steady / 1e12:.1f} model TFLOPS")
     finally:
-        engine.close()
+        if close:
+            engine.close()
     if run.frame:
         Path(run.frame).write_text(render_frame(metrics, title=f"megatrain bench {planned.label} {batch}x{seq}",
                                                 total_steps=warmup + steps))

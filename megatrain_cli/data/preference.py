@@ -117,8 +117,7 @@ def records_to_preference(records: list[dict], fmt: str, fields: dict, place: Re
                           method: str) -> list[PreferenceExample]:
     check_field_overrides(fields, place.label)
     if fmt == "auto":
-        fmt = detect_preference_format(records[0], fields) or _not_preference(records[0], fields, place.label,
-                                                                              method)
+        fmt = detect_preference_format(records[0], fields) or _not_preference(records[0], fields, place, method)
     if fmt not in PREFERENCE_FORMATS:
         raise DataError(_supervised(place.label, f"data.format {fmt}", method))
     if fmt == "unpaired_preference" and method in PAIRED_METHODS:
@@ -146,15 +145,19 @@ class _Where:
         return self.place(self.i)
 
 
-def _not_preference(record: dict, fields: dict, label: str, method: str):
+def _not_preference(record, fields: dict, place: RecordPlace, method: str):
+    """The first record is no preference record: say which line, with which fields, and what it is instead."""
+    if not isinstance(record, dict):
+        raise DataError(f"{place(0)} is a {type(record).__name__}, expected an object with fields")
     try:
-        sft = detect_format(record, fields, label)
+        sft = detect_format(record, fields, place.label)
     except DataError:
         sft = None
-    if sft is not None:
-        raise DataError(_supervised(label, f"the records are supervised data (format {sft})", method))
     present = ", ".join(map(str, record)) or "(none)"
-    raise DataError(f"{label}: cannot tell the preference format from the fields {present} (expected "
+    if sft is not None:
+        raise DataError(_supervised(f"{place(0)} (fields {present})", f"the records are supervised data (format "
+                                                                      f"{sft})", method))
+    raise DataError(f"{place(0)}: cannot tell the preference format from the fields {present} (expected "
                     f"preference: prompt, chosen, rejected; unpaired_preference: prompt, completion, label); set "
                     f"data.format, or map your field names with data.fields, e.g. {{chosen: better, rejected: worse}}")
 

@@ -80,6 +80,12 @@ class ResidentLayers:
                                        t.exp_avg_sq.to(self.device, copy=True), weights,
                                        torch.zeros(master.numel(), dtype=t.grad.dtype, device=self.device), t.step)
 
+    def release(self) -> None:
+        """Drop the device state without bringing it home (nothing updated it since `load`: a forward-only
+        pass before the first step); the next step loads the host tiles again, a resume's included."""
+        self._state.clear()
+        self._scratch = None
+
     def store_home(self) -> None:
         """Device -> host tiles (master, moments, step): after it the host holds the current state."""
         for name, s in self._state.items():

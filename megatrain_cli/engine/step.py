@@ -18,6 +18,7 @@ from megatrain_cli.engine import kernel_patch
 from megatrain_cli.engine.inputs import embed_output_grad, step_inputs
 from megatrain_cli.engine.embed_backward import embed_backward
 from megatrain_cli.engine.head import run_head
+from megatrain_cli.engine.preference_head import run_preference_head
 from megatrain_cli.engine.plan.lean import LeanPlan
 from megatrain_cli.engine.rebuild import StepCheckpoints
 from megatrain_cli.engine.resident import ResidentLayers
@@ -28,6 +29,7 @@ from megatrain_cli.engine.lean_layers import SDPA_BACKENDS, sdpa_backend_context
 from megatrain_cli.engine.transfer import make_transfers
 from megatrain_cli.engine.transfer.updates import NO_UPDATES
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
+from megatrain_cli.methods import SFT, MetricTotals, PreferenceMethod
 from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.store.sharded import ShardedHostStore
@@ -45,11 +47,13 @@ class Engine:
     docs/architecture.md ("The step") says. Built from how the step runs (`plan`: interval, kept blocks,
     loss chunk, lean plan, resident layers) and the recipe's `settings`, taken as given; what a run takes
     of them on its machine is train/setup.py's build_engine's. `dist` (engine/dist.py): one data-parallel
-    rank over its ShardedHostStore. Options change how, never what: every combination computes the same step.
+    rank over its ShardedHostStore. `method` (methods/): what the loss is, SFT's token-mean cross-entropy
+    unless a preference method is handed in (engine/preference_head.py). Options change how, never what:
+    every combination computes the same step.
     """
 
     def __init__(self, store: HostStore, plan: StepPlan, settings: EngineConfig, train: TrainConfig, *,
-                 device: torch.device, dist: DistContext | None = None):
+                 device: torch.device, dist: DistContext | None = None, method: SFT | PreferenceMethod | None = None):
         if settings.sdpa not in SDPA_BACKENDS:
             raise ValueError(f"unknown SDPA backend {settings.sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
         if dist is not None and not isinstance(store, ShardedHostStore):
@@ -60,6 +64,7 @@ class Engine:
         if plan.resident_layers and dist is not None:
             raise ValueError("resident_layers needs one process: a data-parallel rank holds a shard of each layer")
         self.plan, self.settings, self.dist = plan, settings, dist
+        self.method = method if method is not None else SFT()
         self.kernels = kernel_patch.resolve(settings.kernels, device)  # 'torch' or 'triton'
         self.store, self.train_cfg, self.device = store, train, device
         self.adapter = store.adapter
@@ -254,6 +259,7 @@ class Engine:
         sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
 
         graphs: dict[int, tuple[list, list, dict]] = {}  # layer -> (inputs, outputs, leaves)
+        pref = None  # a preference step's head: its metrics and units
         grads_out: list[torch.Tensor] = []
         losses: list[float] = []
 
@@ -280,9 +286,14 @@ class Engine:
                         if self.worker is not None:  # the forward has every weight it needs: the last
                             self.worker.release_moments()  # step's deferred moments may use the host now
                         ckpt.prefetch_first()  # comes back while the head computes
-                        grads_out, losses, head_grad = run_head(self, h, labels, norm_scale, sq_norm)
+                        if isinstance(self.method, PreferenceMethod):
+                            pref = run_preference_head(self, h, labels, mbs, sq_norm)
+                            grads_out, losses, head_grad, units = pref.grads_out, pref.losses, pref.tied_grad, pref.units
+                        else:
+                            grads_out, losses, head_grad = run_head(self, h, labels, norm_scale, sq_norm)
+                            units = n_loss_tokens
                         if self.router is not None:  # each micro-batch's loss as HF's: + coef * router aux loss
-                            losses = self.router.add_to(losses, n_loss_tokens)
+                            losses = self.router.add_to(losses, units)  # weighted by its share of tokens / units
                         h = []
                         times["head"] = time.perf_counter() - t0
                         t0 = time.perf_counter()
@@ -316,18 +327,25 @@ class Engine:
         loss_sum = sum(l * n for l, n in losses)
         total = sum(n for _, n in losses)
         n_tokens = int(ids_all.numel())
+        # A preference method's metrics: sums and counts, reduced with the loss (methods/metrics.py)
+        totals = pref.totals.as_tensor() if pref is not None else None
         if self.dist is None:
             grad_norm = float(sq_norm.sqrt())
         else:  # sq_norm above is this rank's unreduced gradient: the sink has its share of the reduced one
-            sq, loss_sum, total, n_tokens = self.dist.sum_scalars(
-                [self.sink.take_sq_norm(), loss_sum, total, n_tokens])
+            extra = totals.flatten().tolist() if totals is not None else []
+            sq, loss_sum, total, n_tokens, *extra = self.dist.sum_scalars(
+                [self.sink.take_sq_norm(), loss_sum, total, n_tokens, *extra])
             grad_norm, n_tokens = math.sqrt(sq) if sq >= 0 else float("nan"), int(n_tokens)
+            if totals is not None:
+                totals = torch.tensor(extra, dtype=torch.float64).view_as(totals)
+        metrics = MetricTotals.from_tensor(totals).means() if totals is not None else {}
         finite = math.isfinite(grad_norm) and math.isfinite(loss_sum)
         times["total_fb"] = time.perf_counter() - t_start
         st = self.streamer.stats
         return StepResult([l for l, _ in losses], loss_sum / max(1, total), grad_norm,
                           n_tokens, n_loss_tokens, skipped=not finite, times=times,
-                          h2d_bytes=st.h2d_bytes, d2h_bytes=st.d2h_bytes, h2d_count=dict(st.h2d_count))
+                          h2d_bytes=st.h2d_bytes, d2h_bytes=st.d2h_bytes, h2d_count=dict(st.h2d_count),
+                          metrics=metrics)
 
     # ------------------------------------------------------------ phases
     def forward_layer(self, i: int, flat, h, ctx, count: bool = False) -> list[torch.Tensor]:

@@ -41,8 +41,10 @@ class PreferenceLayout:
 
 @dataclass
 class PreferenceMicroBatch(MicroBatch):
-    """A micro-batch of preference data: rows as SFT's (labels only on completions) plus their layout."""
+    """A micro-batch of preference data: rows as SFT's (labels only on completions) plus their layout, and
+    the reference's scores of its sequences (the training loop attaches them; None for reference-free methods)."""
     layout: PreferenceLayout | None = None
+    reference: SequenceScores | None = None
 
 
 class PreferenceMethod:
@@ -62,8 +64,14 @@ class PreferenceMethod:
         """Per-sequence log-probs as this method reads them: sums, or per-token means."""
         return scores.means() if self.length_normalised else scores.logps
 
-    def loss(self, policy: SequenceScores, reference: SequenceScores | None,
-             layout: PreferenceLayout) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def step_statistics(self, policy: SequenceScores, reference: SequenceScores | None,
+                        layout: PreferenceLayout) -> torch.Tensor | None:
+        """What the loss reads from the whole step besides its micro-batch: float64 sums that the caller adds
+        over every micro-batch and rank and hands to `loss` as `step` (KTO's reference point); None: nothing."""
+        return None
+
+    def loss(self, policy: SequenceScores, reference: SequenceScores | None, layout: PreferenceLayout,
+             step: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def pairs(self, scores: SequenceScores, layout: PreferenceLayout) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,7 +22,7 @@ class DPO(PreferenceMethod):
     def __init__(self, beta: float = 0.1, label_smoothing: float = 0.0):
         self.beta, self.label_smoothing = beta, label_smoothing
 
-    def loss(self, policy, reference, layout):
+    def loss(self, policy, reference, layout, step=None):
         pi_c, pi_r = self.pairs(policy, layout)
         ref_c, ref_r = self.pairs(reference, layout)
         logits = (pi_c - pi_r) - (ref_c - ref_r)

@@ -21,7 +21,7 @@ class IPO(PreferenceMethod):
     def __init__(self, beta: float = 0.1):
         self.beta = beta
 
-    def loss(self, policy, reference, layout):
+    def loss(self, policy, reference, layout, step=None):
         pi_c, pi_r = self.pairs(policy, layout)
         ref_c, ref_r = self.pairs(reference, layout)
         logits = (pi_c - pi_r) - (ref_c - ref_r)

@@ -34,7 +34,7 @@ class ORPO(PreferenceMethod):
     def __init__(self, orpo_lambda: float = 0.1):
         self.orpo_lambda = orpo_lambda
 
-    def loss(self, policy, reference, layout):
+    def loss(self, policy, reference, layout, step=None):
         m_c, m_r = self.pairs(policy, layout)
         log_odds = (m_c - m_r) - (log1mexp(m_c) - log1mexp(m_r))
         ratio = torch.nn.functional.logsigmoid(log_odds)

@@ -36,25 +36,28 @@ def label_sequence_index(position_ids: torch.Tensor) -> tuple[torch.Tensor, int]
 
 
 def sequence_sums(token_logps: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor) -> SequenceScores:
-    """Per-sequence sums of the labelled tokens' log-probs and their counts. `token_logps` [B, T - 1] is the
-    log-prob of labels[:, 1:] (any value where the label is IGNORE_INDEX: it is not counted)."""
+    """Per-sequence sums (float64) of the labelled tokens' log-probs and their counts. `token_logps` [B, T - 1]
+    is the log-prob of labels[:, 1:] (any value where the label is IGNORE_INDEX: it is not counted)."""
     index, n = label_sequence_index(position_ids)
     counted = labels[:, 1:] != IGNORE_INDEX
     idx = index[counted]
-    logps = torch.zeros(n, dtype=token_logps.dtype, device=token_logps.device).index_add_(0, idx,
-                                                                                         token_logps[counted])
+    # float64: CUDA's index_add_ adds in no fixed order; in float64 that order moves a sum by ~1e-16 of it
+    logps = torch.zeros(n, dtype=torch.float64, device=token_logps.device).index_add_(0, idx,
+                                                                                     token_logps[counted].double())
     tokens = torch.zeros(n, dtype=torch.int64, device=idx.device).index_add_(0, idx, torch.ones_like(idx))
     return SequenceScores(logps, tokens)
 
 
 def sequence_grads(method: PreferenceMethod, policy: SequenceScores, reference: SequenceScores | None,
-                   layout: PreferenceLayout, scale: float) -> tuple[torch.Tensor, torch.Tensor, dict]:
+                   layout: PreferenceLayout, scale: float,
+                   step: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(per-unit losses, d(scale * sum of losses) / d(policy sums) [S], metrics), in float64: the losses of
     one micro-batch and the gradient its backward scales each sequence's tokens by. `scale` is 1 / (units
-    in the whole step: every micro-batch, accumulation step and rank)."""
+    in the whole step: every micro-batch, accumulation step and rank); `step`: the method's
+    step_statistics summed over the same (None: this micro-batch's own)."""
     logps = policy.logps.detach().double().requires_grad_(True)
     ref = None if reference is None else SequenceScores(reference.logps.double(), reference.tokens)
-    losses, metrics = method.loss(SequenceScores(logps, policy.tokens), ref, layout)
+    losses, metrics = method.loss(SequenceScores(logps, policy.tokens), ref, layout, step)
     (grad,) = torch.autograd.grad(losses.sum() * scale, logps)
     return losses.detach(), grad, metrics
 

@@ -21,7 +21,7 @@ class SimPO(PreferenceMethod):
     def __init__(self, beta: float = 0.1, simpo_gamma: float = 0.5, label_smoothing: float = 0.0):
         self.beta, self.simpo_gamma, self.label_smoothing = beta, simpo_gamma, label_smoothing
 
-    def loss(self, policy, reference, layout):
+    def loss(self, policy, reference, layout, step=None):
         pi_c, pi_r = self.pairs(policy, layout)
         logits = (pi_c - pi_r) - self.simpo_gamma / self.beta
         losses = sigmoid_pair_loss(logits, self.beta, self.label_smoothing)

@@ -42,16 +42,32 @@ class StepMetrics:
     pinned_bytes: int | None = None  # pinned host memory held (staging buffers, gradient slabs)
     skipped_steps: int = 0  # steps skipped so far for a non-finite loss or gradient
     eta_s: float | None = None
-    # Token-mean cross-entropy on the held-out rows, at the steps a validation pass ran (eval.every_n_steps)
+    # Token-mean cross-entropy on the held-out rows, at the steps a validation pass ran (eval.every_n_steps);
+    # a preference method: the mean loss of the held-out pairs
     val_loss: float | None = None
+    # A preference method's metrics (TRL's names: rewards/chosen, ..., logps/rejected) over the step's pairs,
+    # and over the held-out pairs at a validation pass; None: SFT, or no pass. The record holds them flat,
+    # under their own names and as val_<name> (`to_json`).
+    preference: dict | None = None
+    val_preference: dict | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """Every field, always the same keys. A non-finite float (the NaN loss of a skipped step)
-        becomes None, so each line is strict JSON that any reader parses; skipped_steps says why."""
+        """Every field, always the same keys (a preference method's metrics flat, under their own names). A
+        non-finite float (the NaN loss of a skipped step) becomes None, so each line is strict JSON that any
+        reader parses; skipped_steps says why."""
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, float) and not math.isfinite(value):
-                value = None
-            out[f.name] = value
+            if f.name in FLATTENED:
+                prefix = "val_" if f.name.startswith("val_") else ""
+                out.update({prefix + k: _finite(v) for k, v in (value or {}).items()})
+                continue
+            out[f.name] = _finite(value)
         return out
+
+
+FLATTENED = ("preference", "val_preference")  # dict fields written as their entries (absent when None)
+
+
+def _finite(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value

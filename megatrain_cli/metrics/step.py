@@ -39,4 +39,4 @@ def step_metrics(res, *, engine, step: int, total: int, lr: float, skipped: int,
         time_wait_optimizer_s=res.times.get("wait_optimizer"),
         gpu_mem_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
         host_rss_bytes=host_rss_bytes(), pinned_bytes=engine.streamer.pinned_bytes() + engine.sink.pinned_bytes(),
-        skipped_steps=skipped, eta_s=eta)
+        skipped_steps=skipped, eta_s=eta, preference=dict(res.metrics) or None)

@@ -156,7 +156,7 @@ def _check_outputs(r: Recipe, problems: list[str]) -> None:
     _at_least(problems, "eval.max_new_tokens", ev.max_new_tokens, 1)
     _at_least(problems, "eval.every_n_steps", ev.every_n_steps, 1, nullable=True)
     _at_least(problems, "eval.val_batches", ev.val_batches, 1)
-    if ev.enabled and not c.export_final:
+    if ev.enabled and not c.export_final and r.train.method == "sft":  # a preference eval scores in the engine
         problems.append("eval.enabled: the end-of-training eval reads output_dir/final/, which "
                         "checkpoint.export_final=false does not write; set checkpoint.export_final=true or "
                         "eval.enabled=false")

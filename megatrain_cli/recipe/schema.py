@@ -238,7 +238,9 @@ class LoggingConfig:
 
 @dataclass
 class EvalConfig:
-    enabled: bool = doc("Run exact-match eval on the held-out split at the end of training.", False)
+    enabled: bool = doc("Run exact-match eval on the held-out split at the end of training (a preference method: "
+                        "the held-out pairs' loss, rewards and accuracy instead, in output_dir/eval/results.json).",
+                        False)
     limit: Optional[int] = doc("Evaluate at most N examples (the first N of the split); null: all of them.", 64)
     batch_size: int = doc("Prompts per generation batch (streamed generation: tokens/s grows with it, each step "
                           "streams the whole model once).", 8)
@@ -254,7 +256,8 @@ class EvalConfig:
                                                  "results.json gives both scores.", "flexible")
     every_n_steps: Optional[int] = doc("Validation loss on the held-out split every N steps and after the last "
                                        "(forward only, layers streamed; those steps are logged whatever "
-                                       "logging.every_n_steps says); null: off.", None)
+                                       "logging.every_n_steps says; a preference method: the held-out pairs' "
+                                       "loss and val_rewards/*); null: off.", None)
     val_batches: int = doc("Micro-batches of the held-out split each validation pass runs (the same rows every "
                            "time; fewer when the split has fewer rows).", 8)
 

@@ -16,7 +16,7 @@ import torch
 
 from megatrain_cli.recipe import Recipe, render_yaml
 from megatrain_cli.train.errors import TrainingError, out_of_memory_message
-from megatrain_cli.train.predicted import against, describe, prediction
+from megatrain_cli.train.predicted import against, describe, method_lines, prediction
 from megatrain_cli.train.setup import DTYPES, build_engine, build_store, lean_allocator, resolve_device
 
 
@@ -61,9 +61,16 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         print(plan.render())
         if dist is None and not plan.problems:
             print(describe(pred))
+        if r.train.method != "sft":
+            print(method_lines(r, adapter, device, plan))
         if plan.problems:
             print("(`megatrain train --force` runs it anyway)")
         return 3 if plan.problems else 0
+    pref = None
+    if r.train.method != "sft":  # the pairs read, checked and tokenised whole before anything is written
+        from megatrain_cli.train.preference import prepare
+
+        pref = prepare(r, tokenizer)
     if plan.problems and not force:
         raise TrainingError("the run would not fit:\n  " + "\n  ".join(plan.problems) +
                             "\n(--force runs it anyway)", 3)
@@ -71,10 +78,10 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         from megatrain_cli.train.rank import start_rank
 
         dist = start_rank(dist, r, device, plan.lean)
-    return _loop(r, device, tokenizer, config, plan, dist=dist, pred=pred)
+    return _loop(r, device, tokenizer, config, plan, dist=dist, pred=pred, pref=pref)
 
 
-def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> int:
+def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref=None) -> int:
     """The run itself, with output_dir locked by its lead process (train/lock.py): a second writer is
     refused, a crashed one's lock taken over."""
     from megatrain_cli.train.lock import OutputLock
@@ -84,7 +91,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> i
     watch = StopWatch(r.train.max_wall_time)  # a bad value is refused here, before anything is written
     out = Path(r.output_dir)
     # The data and the checkpoint to resume, each refused when it cannot be right: before anything is written.
-    data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out)
+    data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out, pref)
     made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if the run writes nothing
     out.mkdir(parents=True, exist_ok=True)
     lock, problem = OutputLock(out), None
@@ -102,7 +109,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> i
         if problem:
             raise TrainingError(problem, 2)
         return _run(r, device, config, plan, dist, lead, out, watch, pred, tokenizer, data, held_out, total,
-                    candidates)
+                    candidates, pref)
     finally:
         lock.release()
         for d in made:  # the folders this run made, when it wrote nothing in them (a refusal): gone again
@@ -112,12 +119,27 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None) -> i
                 break
 
 
-def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path):
+def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path, pref=None):
     """(training rows, held-out rows or None, the run's last step, the checkpoints to resume from): read
     and checked before output_dir is touched. What the data leaves out (nothing to learn) is said here."""
+    from megatrain_cli.train import resume
+
+    t = r.train
+    if pref is not None:  # a preference method's pairs, read and checked by train/preference.py
+        data, held_out = pref.data, None
+    else:
+        data, held_out = _supervised(r, tokenizer, dist, lead)
+    total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
+                                                                                              t.grad_accum)))
+    total_text = f"train.steps={t.steps}" if t.steps is not None else f"train.epochs={t.epochs}"
+    candidates = resume.choose(r.checkpoint.resume, out, total, total_text, lead, t.master_weights)
+    return data, held_out, total, candidates
+
+
+def _supervised(r: Recipe, tokenizer, dist, lead: bool):
+    """(training rows, held-out rows or None) of a supervised run; what the data leaves out is said here."""
     from megatrain_cli.data import build_train_data, load_examples, split_examples
     from megatrain_cli.data.train_data import left_out_report
-    from megatrain_cli.train import resume
     from megatrain_cli.train.validation import HeldOut
 
     t = r.train
@@ -129,16 +151,11 @@ def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path):
         if data.truncated:
             what.append(f"{data.truncated} cut at train.seq_len={t.seq_len} (the end of their reply is lost)")
         print(f"data: {'; '.join(what)}", file=sys.stderr)
-    held_out = HeldOut.build(r, test_ex, tokenizer, dist)  # None unless eval.every_n_steps is set
-    total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
-                                                                                              t.grad_accum)))
-    total_text = f"train.steps={t.steps}" if t.steps is not None else f"train.epochs={t.epochs}"
-    candidates = resume.choose(r.checkpoint.resume, out, total, total_text, lead, t.master_weights)
-    return data, held_out, total, candidates
+    return data, HeldOut.build(r, test_ex, tokenizer, dist)  # held out: None unless eval.every_n_steps is set
 
 
 def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pred, tokenizer, data, held_out,
-         total: int, candidates) -> int:
+         total: int, candidates, pref=None) -> int:
     from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.metrics.flops import attention_pairs
@@ -148,15 +165,25 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
     from megatrain_cli.train import resume, stop
     from megatrain_cli.train.sinks import open_sinks
     from megatrain_cli.train.skips import SkipCount
+    from megatrain_cli.train.validation import due
 
     t = r.train
     long_ctx = plan.lean
     if long_ctx is not None:
         lean_allocator(device)
     store = build_store(r, config, dist)
-    engine = build_engine(r, store, plan, device, dist)
+    engine = build_engine(r, store, plan, device, dist, method=pref.method if pref is not None else None)
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
+    if pref is not None:  # over the initial weights: before a resume loads a checkpoint
+        from megatrain_cli.train.preference import score_reference
+
+        with Dashboard(r.logging.dashboard if lead else "off", title=f"megatrain {r.output_dir}") as view:
+            if dist is None:  # the predicted time of the pass (one process: ranks are not modelled)
+                from megatrain_cli.models.adapter import ModelAdapter
+
+                view.log(method_lines(r, ModelAdapter(config), device, plan, rows=data.num_rows))
+            score_reference(pref, r, engine, tokenizer, config, dist, lambda m: _say(view, lead, m), view.progress)
     start, skips = 0, SkipCount(r, out)
     found = resume.load(store, candidates, auto=r.checkpoint.resume == "auto", dist=dist, lead=lead)
     if found is not None:
@@ -187,13 +214,17 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
             (out / "recipe.yaml").write_text(render_yaml(r))
         with stop.watching(), Dashboard(r.logging.dashboard if lead else "off", total_steps=total,
                                         title=f"megatrain {r.output_dir}",
-                                        val_every=held_out.every if held_out else None) as dash:
+                                        val_every=held_out.every if held_out else
+                                        r.eval.every_n_steps if pref is not None and pref.held_out else None,
+                                        preference=pref is not None) as dash:
             dash.log(f"{store.num_params() / 1e6:.1f} M params on {device.type}, {total} steps, "
                      f"{data.num_rows} rows of {t.seq_len} tokens, host state "
                      f"{store.host_bytes() / 2**30:.2f} GiB")
             if held_out is not None:
                 dash.log(f"validation loss every {held_out.every} steps and after the last, on {held_out.rows} "
                          f"held-out rows of {t.seq_len} tokens")
+            if pref is not None:
+                dash.log(pref.describe(t.seq_len, r.data.packing))
             if dist is None:
                 dash.log(describe(pred))
             if long_ctx is not None:
@@ -210,15 +241,23 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                     from megatrain_cli.engine.dist import split_micro_batches
 
                     mbs = split_micro_batches(mbs, dist.rank, dist.world)
+                if pref is not None:
+                    pref.attach(mbs)  # each micro-batch's share of the reference's scores
                 lr = lr_at(step, t, total)
                 res = engine.step(mbs, lr)
                 skips.count(step, res.skipped, res.loss, res.grad_norm)  # a diverged run stops here (exit 1)
-                validate = held_out is not None and held_out.due(step + 1, total)
+                validate = held_out is not None and held_out.due(step + 1, total) or \
+                    pref is not None and pref.held_out is not None and due(r.eval.every_n_steps, step + 1, total)
                 if (step + 1) % r.logging.every_n_steps == 0 or step + 1 == total or validate:
                     m = step_metrics(res, engine=engine, step=step, total=total, lr=lr, skipped=skips.skipped,
                                      step_time=time.perf_counter() - t0, seq_len=t.seq_len, attended=attended,
                                      eta=(time.perf_counter() - t_run) / (step + 1 - start) * (total - step - 1))
-                    if validate:  # after the step's figures: the pass neither counts in them nor changes them
+                    if validate and pref is not None:  # the first eval.val_batches micro-batches' pairs
+                        from megatrain_cli.train.preference import evaluate
+
+                        m.val_loss, m.val_preference = evaluate(pref, r, engine, dist,
+                                                                r.eval.val_batches * t.micro_batch_size)
+                    elif validate:  # after the step's figures: the pass neither counts in them nor changes them
                         m.val_loss = held_out.loss(engine)
                     dash.update(m)
                     for log in logs:
@@ -244,11 +283,18 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
             if start < total:  # the run's end is resumable too (every_n_steps or not): export and resume read it
                 checkpoint(total)
             _export_final(r, store, out, dist, tokenizer, dash, total)
+            if pref is not None and r.eval.enabled:  # the held-out pairs, every one, with the final weights
+                from megatrain_cli.train.preference import evaluate, metrics_line, write_results
+
+                loss, metrics = evaluate(pref, r, engine, dist)
+                where = write_results(out, r.train.method, loss, metrics, pref.held_out.num_units) if lead else ""
+                dash.log(f"held-out {pref.held_out.num_units} {'pairs' if pref.method.paired else 'examples'} "
+                         f"after step {total}: {metrics_line(loss, metrics)} ({where})")
     finally:
         engine.close()
         for log in logs:
             log.close()
-    if r.eval.enabled and r.checkpoint.export_final and lead:
+    if r.eval.enabled and r.checkpoint.export_final and lead and pref is None:
         from megatrain_cli.eval.run import run_eval
 
         # The engine's device buffers and the host store go first: eval's 'auto' mode measures free

@@ -6,6 +6,8 @@ machine and shape the line says how to get one.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -41,3 +43,46 @@ def against(pred, measured_s: float, steps: int) -> str:
         return ""
     return (f"mean step {measured_s:.3f} s over {steps} steps; the planner predicted {pred.total:.3f} s "
             f"({pred.total / measured_s - 1:+.0%})")
+
+
+def reference_pass_s(r, adapter, device: torch.device, plan, cache_dir=None) -> float | None:
+    """A preference method's reference pass, per streamed pass of a step's rows (train.micro_batch_size x
+    grad_accum), from the cached probe: the step's forward phase (no optimizer update to apply on the way) and
+    a third of its head (the head's forward matmul of its forward + backward). None without a probe."""
+    from megatrain_cli.engine.plan.predict import predict_plan
+    from megatrain_cli.engine.plan.probe import read_cached, recipe_shape
+
+    probe = read_cached(adapter, **recipe_shape(r, device, plan), cache_dir=cache_dir)
+    if probe is None:
+        return None
+    p = predict_plan(r, adapter, device, plan, probe.machine, probe.layer, clipped=False)
+    forward, head = p.phases.get("forward"), p.phases.get("head")
+    return None if forward is None or head is None else forward + head / 3
+
+
+def method_lines(r, adapter, device: torch.device, plan, rows: int | None = None, cache_dir=None) -> str:
+    """What --dry-run (and a run, with its `rows`) says of a preference method: the pair layout and the
+    reference pass's predicted time."""
+    from megatrain_cli.methods import make_method
+    from megatrain_cli.train.preference import pair_layout
+
+    method = make_method(r.train.method, r.preference)
+    t = r.train
+    units = "pairs" if method.paired else "examples"
+    lines = [f"method: {method.name}, the loss a mean over each step's {units}; {pair_layout(method, r.data.packing)}; "
+             f"device memory as an SFT step of the same rows (the head's two passes hold one [chunk, vocab] logits "
+             f"buffer at a time, plus a weight per token)"]
+    if not method.needs_reference:
+        lines.append(f"reference pass: none ({method.name} is reference-free)")
+        return "\n".join(lines)
+    per = reference_pass_s(r, adapter, device, plan, cache_dir)
+    batch = t.micro_batch_size * t.grad_accum
+    what = "reference pass: one streamed forward over every training sequence before the first step (cached)"
+    if per is None:
+        lines.append(f"{what}; its time is unknown here: no cached probe of this machine with the forward's figures "
+                     f"for this shape (`megatrain plan RECIPE` measures one)")
+    else:
+        total = f"; {rows} rows: {per * math.ceil(rows / batch):.1f} s" if rows else ""
+        lines.append(f"{what}: predicted {per:.3f} s per {batch} rows (a step's forward and a third of its head, "
+                     f"from the cached probe){total}")
+    return "\n".join(lines)

@@ -92,13 +92,21 @@ def check_data(r: Recipe) -> None:
     from megatrain_cli.eval.run import select_examples
 
     cfg = r.data
-    if not r.eval.enabled:
+    # A preference method's pairs are read whole and tokenised before anything is written (train/preference.py);
+    # its eval scores held-out pairs, not gold answers: here its first records, in its format.
+    preference = r.train.method != "sft"
+    if not r.eval.enabled or preference:
         cfg = dataclasses.replace(cfg, max_samples=min(cfg.max_samples or DATA_SAMPLE, DATA_SAMPLE))
     try:
-        examples = load_examples(cfg)
+        if preference:
+            from megatrain_cli.data.preference import load_preference_examples
+
+            examples = load_preference_examples(cfg, r.train.method)
+        else:
+            examples = load_examples(cfg)
     except ValueError as err:  # the data itself, not the eval: training would fail on it too
         raise TrainingError(f"data.source: {err}", 2) from None
-    if not r.eval.enabled:
+    if not r.eval.enabled or preference:
         return
     try:
         select_examples(r.data, "test", r.eval.limit, examples)

@@ -77,14 +77,14 @@ def lean_allocator(device: torch.device) -> str:
         return f"default (could not set expandable_segments: {err})"
 
 
-def build_engine(r: Recipe, store, plan: StepPlan, device: torch.device, dist=None):
+def build_engine(r: Recipe, store, plan: StepPlan, device: torch.device, dist=None, method=None):
     """The engine for `store` as `plan` and the recipe's engine settings say. What a run takes of them on
     this machine is decided here, once, and nowhere else: the Engine runs what it is given (tests drive the
-    host optimizer's thread on the CPU)."""
+    host optimizer's thread on the CPU). `method`: a preference method (methods/), None for SFT."""
     from megatrain_cli.engine.step import Engine
 
     # The host optimizer's thread on CUDA only: on the CPU it would compete with the compute for the same cores.
     settings = dataclasses.replace(r.engine, overlap_optimizer=r.engine.overlap_optimizer and device.type == "cuda")
     if dist is not None:  # a data-parallel rank holds a shard of each layer: none stays resident on its device
         plan = dataclasses.replace(plan, resident_layers=0)
-    return Engine(store, plan, settings, r.train, device=device, dist=dist)
+    return Engine(store, plan, settings, r.train, device=device, dist=dist, method=method)

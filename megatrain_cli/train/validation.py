@@ -55,8 +55,7 @@ class HeldOut:
         return sum(mb.input_ids.shape[0] for mb in self.micro_batches)
 
     def due(self, step: int, total: int) -> bool:
-        """After step `step` (1-based) of `total`: every `every` steps, and after the last."""
-        return step % self.every == 0 or step == total
+        return due(self.every, step, total)
 
     def loss(self, engine) -> float:
         """The validation loss now (every rank calls it at the same step: the pass has collectives)."""
@@ -64,6 +63,12 @@ class HeldOut:
 
         value, _ = validation_loss(engine, self.micro_batches, group=self.group)
         return value
+
+
+def due(every: int | None, step: int, total: int) -> bool:
+    """A held-out pass after step `step` (1-based) of `total`: every `every` steps, and after the last (never
+    when `every` is None)."""
+    return every is not None and (step % every == 0 or step == total)
 
 
 def held_out_micro_batches(rows, micro_batch_size: int, count: int) -> list[MicroBatch]:

@@ -282,7 +282,8 @@ def test_a_pair_longer_than_seq_len_names_both_lengths(tok, tmp_path):
 def test_supervised_data_with_a_preference_method_and_the_reverse(tok, tmp_path):
     sft = [{"query": "2 + 2?", "response": "The answer is: 4"}]
     assert problem(tok, tmp_path, sft) == (
-        "bad.jsonl: the records are supervised data (format metamathqa), not preference data; train.method dpo "
+        "bad.jsonl line 1 (fields query, response): the records are supervised data (format metamathqa), not "
+        "preference data; train.method dpo "
         "trains on records {prompt, chosen, rejected} (data.format preference): use a preference data set "
         "(builtin:sample_math_pref is a small one), or train.method sft to fine-tune on this one")
     assert "or {prompt, completion, label} (unpaired_preference)" in problem(tok, tmp_path, sft, "kto")
@@ -294,7 +295,7 @@ def test_supervised_data_with_a_preference_method_and_the_reverse(tok, tmp_path)
         f"fine-tuning (train.method sft)")
     with pytest.raises(DataError, match="it trains with train.method kto, not with supervised"):
         load_examples(cfg("builtin:sample_math_kto"))
-    with pytest.raises(DataError, match="builtin:sample_math: the records are supervised data"):
+    with pytest.raises(DataError, match=r"builtin:sample_math record 0 \(fields .*\): the records are supervised data"):
         load_preference_examples(cfg("builtin:sample_math"), "dpo")
 
 
@@ -310,7 +311,7 @@ def test_other_bad_records(tok, tmp_path):
         "chosen, rejected); if it has another name, set data.fields.prompt")
     assert "the prompt in 'prompt' should end with the user's message" in problem(
         tok, tmp_path, [{"prompt": [{"role": "assistant", "content": "x"}], "chosen": "a", "rejected": "b"}])
-    assert problem(tok, tmp_path, [{"a": 1}]).startswith("bad.jsonl: cannot tell the preference format from the "
+    assert problem(tok, tmp_path, [{"a": 1}]).startswith("bad.jsonl line 1: cannot tell the preference format from the "
                                                          "fields a (expected preference: prompt, chosen, rejected;")
     fields = problem(tok, tmp_path, [{"q": "x", "good": "a", "bad": "b"}],
                      fields={"prompt": "q", "chosen": "good", "rejected": "bad", "system": "sys"})

@@ -90,11 +90,22 @@ def test_host_rss_grows_when_memory_is_touched():
 
 # ---------------------------------------------------------------- StepMetrics and logs
 def test_to_json_has_every_field_and_none_for_unmeasured():
+    from megatrain_cli.metrics.record import FLATTENED
+
     record = cpu_metrics().to_json()
-    assert list(record) == [f.name for f in dataclasses.fields(StepMetrics)]
+    # every field; a preference method's metrics (dicts) under their own names, absent for SFT
+    assert list(record) == [f.name for f in dataclasses.fields(StepMetrics) if f.name not in FLATTENED]
     for gpu_only in ("h2d_gbps", "d2h_gbps", "overlap", "gpu_mem_bytes", "mfu", "link_peak_gbps"):
         assert record[gpu_only] is None
     assert record["loss"] == 2.5 and record["tokens"] == 4096
+    pref = cpu_metrics(preference={"rewards/accuracies": 0.75, "rewards/margins": math.nan},
+                       val_preference={"rewards/accuracies": 1.0}).to_json()
+    assert list(pref) == list(record) + ["rewards/accuracies", "rewards/margins", "val_rewards/accuracies"]
+    assert pref["rewards/accuracies"] == 0.75 and pref["rewards/margins"] is None
+    from megatrain_cli.metrics.logs import tracker_scalars
+
+    scalars = tracker_scalars(pref)
+    assert scalars["train/rewards/accuracies"] == 0.75 and scalars["val/rewards/accuracies"] == 1.0
 
 
 def test_to_json_turns_non_finite_into_null():
@@ -111,7 +122,9 @@ def test_jsonl_log_appends_flushed_lines_with_every_key(tmp_path):
     # Read before close: each line must already be on disk (a crash loses nothing).
     lines = path.read_text().splitlines()
     assert len(lines) == 3
-    keys = [f.name for f in dataclasses.fields(StepMetrics)]
+    from megatrain_cli.metrics.record import FLATTENED
+
+    keys = [f.name for f in dataclasses.fields(StepMetrics) if f.name not in FLATTENED]  # SFT: no preference keys
     records = [json.loads(line) for line in lines]
     for step, record in zip((1, 2, 3), records):
         assert sorted(record) == sorted(keys)
