@@ -23,6 +23,7 @@ from megatrain_cli.models import attention
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.models.loader import build_store
 from megatrain_cli.recipe import TrainConfig
+from tests import engines
 from tests.reference import reference_model, tiny_config
 
 SEQ = 24
@@ -31,11 +32,13 @@ LAYOUTS = [[[9, 11, 4], [3, 14, (7, "pad")]], [[24], [5, 5, 14]]]
 FAMILIES = ["qwen2", "mistral", "gemma2"]  # plain, sliding window, softcaps
 
 
-def make_engine(store, cfg: TrainConfig | None = None, **kwargs) -> Engine:
-    """The CPU engine as the other parity tests build it (tests/test_families.py): one place to change."""
-    kwargs.setdefault("checkpoint_interval", 2)
-    kwargs.setdefault("loss_chunk_tokens", 7)
-    return Engine(store, cfg or TrainConfig(steps=1, max_grad_norm=None), device=torch.device("cpu"), **kwargs)
+def make_engine(store, cfg: TrainConfig | None = None, device: str = "cpu", **kwargs) -> Engine:
+    """The engine as the other parity tests build it (tests/engine/test_families.py): interval 2, a small loss
+    chunk, PyTorch kernels, no optimizer thread, through the tests' one construction (tests/engines.py)."""
+    for key, value in (("checkpoint_interval", 2), ("loss_chunk_tokens", 7), ("kernels", "torch"),
+                       ("overlap_optimizer", False), ("resident_layers", 0)):
+        kwargs.setdefault(key, value)
+    return engines.make_engine(store, cfg or TrainConfig(steps=1, max_grad_norm=None), device=device, **kwargs)
 
 
 def packed_row(docs, vocab: int, g: torch.Generator):
@@ -194,7 +197,7 @@ def test_long_context_trains_a_packed_row_of_32k_tokens():
     plan = plan_long_context(config, seq, batch=batch, device_budget_bytes=GiB, mlp_chunk_tokens=8192,
                              chunk_mlp=True, offload=False, device_type="cpu")
     store = build_store(config, torch.float32, seed=0)
-    engine = make_engine(store, TrainConfig(steps=1, lr=1e-3), checkpoint_interval=1, long_context=plan)
+    engine = make_engine(store, TrainConfig(steps=1, lr=1e-3), checkpoint_interval=1, lean=plan)
     masks = engine.layer_inputs(torch.zeros(1, seq, config.hidden_size), mb.position_ids[:1]).masks()
     before = store.hf_state_dict()["model.layers.0.mlp.up_proj.weight"].clone()
     res = engine.step([mb], 1e-3)
@@ -205,7 +208,10 @@ def test_long_context_trains_a_packed_row_of_32k_tokens():
 
 
 # ---------------------------------------------------------------------------------------------- CUDA
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the varlen flash kernel needs CUDA")
+def cuda(test):
+    """A GPU test: marked for `pytest -m cuda` (make test-gpu) and skipped without a device."""
+    return pytest.mark.cuda(pytest.mark.skipif(not torch.cuda.is_available(),
+                                               reason="the varlen flash kernel needs CUDA")(test))
 
 
 @cuda
@@ -249,8 +255,7 @@ def test_packed_rows_on_cuda_match_the_dense_reference(family):
     cuda_mbs = [MicroBatch(mb.input_ids.cuda(), mb.labels.cuda(), mb.position_ids.cuda()) for mb in mbs]
     ref_losses, _, _ = dense_reference(model, cuda_mbs)
     store = build_store(config, torch.bfloat16, seed=3)
-    engine = Engine(store, TrainConfig(steps=1, max_grad_norm=None), device=torch.device("cuda"),
-                    checkpoint_interval=2)
+    engine = make_engine(store, device="cuda")
     res = engine.forward_backward(mbs)
     engine.close()
     assert res.losses == pytest.approx(ref_losses, rel=2e-2)
