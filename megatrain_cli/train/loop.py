@@ -144,7 +144,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
     from megatrain_cli.metrics.step import step_metrics
     from megatrain_cli.optim.host_adamw import lr_at
     from megatrain_cli.recipe.load import to_dict
-    from megatrain_cli.train import resume, stop
+    from megatrain_cli.train import host_kernel, resume, stop
     from megatrain_cli.train.sinks import open_sinks
     from megatrain_cli.train.skips import SkipCount
 
@@ -152,6 +152,8 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
     long_ctx = plan.lean
     if long_ctx is not None:
         lean_allocator(device)
+    host_kernel.prepare(r.engine.host_adamw, log=(lambda line: print(line, file=sys.stderr)) if lead else
+                        (lambda _line: None))
     store = build_store(r, config, dist)
     engine = build_engine(r, store, plan, device, dist)
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
