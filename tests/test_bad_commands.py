@@ -293,3 +293,12 @@ def test_a_compile_lock_left_by_a_killed_process_is_named(tmp_path, monkeypatch)
                       "eval.every_n_steps=null"), 2, f"compile lock {lock} is 60 min old", f"rm {lock}",
             "engine.host_adamw=torch")
     assert lock.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "bench", "eval"])
+def test_help_keeps_the_extras_brackets(command):
+    """`pip install 'megatrain'`: rich markup ate '[tensorboard]'."""
+    out = megatrain(command, "--help").output
+    for extra in ("tensorboard", "wandb", "mlflow"):
+        assert f"megatrain[{extra}]" in out, extra
+    assert "'megatrain'`" not in out and "\\[" not in out
