@@ -150,3 +150,24 @@ def test_a_bench_row_records_the_probe_and_the_planners_prediction(tmp_path):
     before = cached[0].stat().st_mtime_ns
     again = run_bench(cpu_recipe(batch=2, seq=32), run, log=lambda m: None)
     assert again.predicted["probe"] == pred["probe"] and cached[0].stat().st_mtime_ns == before
+
+
+@pytest.mark.parametrize("device,index", [(torch.device("cuda"), 3), (torch.device("cuda", 1), 1)])
+def test_max_gpu_mem_caps_the_allocator_of_an_indexed_device(monkeypatch, device, index):
+    """`bench engine.max_gpu_mem=24GiB` on CUDA crashed after its plan: the planner's torch.device('cuda') has
+    no index, which set_per_process_memory_fraction refuses. Here torch.cuda stands in, checking as torch does."""
+    from torch.cuda._utils import _get_device_index
+
+    from megatrain_cli.bench.runner import cap_device_memory
+
+    capped = []
+
+    class Props:
+        total_memory = 96 * 2**30
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction",
+                        lambda fraction, d: capped.append((fraction, _get_device_index(d))))
+    cap_device_memory(24 * 2**30, device)
+    assert capped == [(0.25, index)]

@@ -92,6 +92,14 @@ class Built:
     allocator: str  # what the CUDA allocator runs with on a lean path ('' otherwise)
 
 
+def cap_device_memory(budget: int, device: torch.device) -> None:
+    """torch's allocator capped at `budget` bytes of `device` (engine.max_gpu_mem). The cap takes a device with
+    an index: the planner's torch.device('cuda') has none (it means the current device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), index)
+
+
 def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix: str = "[bench]",
           log=print) -> Built:
     """The host store (unless given: several runs may share one initialisation) and the engine, through
@@ -99,8 +107,7 @@ def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix
     plan was made for is the one the run gets."""
     r, device = planned.r, planned.device
     if device.type == "cuda" and r.engine.max_gpu_mem and dist is None:
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, parse_bytes(r.engine.max_gpu_mem) / total), device)
+        cap_device_memory(parse_bytes(r.engine.max_gpu_mem), device)
     allocator = lean_allocator(device) if planned.plan.lean is not None else ""
     t0 = time.perf_counter()
     if store is None:
