@@ -116,6 +116,7 @@ def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path):
     """(training rows, held-out rows or None, the run's last step, the checkpoints to resume from): read
     and checked before output_dir is touched. What the data leaves out (nothing to learn) is said here."""
     from megatrain_cli.data import build_train_data, load_examples, split_examples
+    from megatrain_cli.data.load import source_label
     from megatrain_cli.data.train_data import left_out_report
     from megatrain_cli.train import resume
     from megatrain_cli.train.validation import HeldOut
@@ -125,7 +126,7 @@ def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path):
     train_ex, test_ex = split_examples(examples, r.data)
     data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
     if lead and (data.left_out or data.truncated):
-        what = [left_out_report(data.left_out, len(train_ex))] if data.left_out else []
+        what = [left_out_report(data.left_out, len(train_ex), source_label(r.data))] if data.left_out else []
         if data.truncated:
             what.append(f"{data.truncated} cut at train.seq_len={t.seq_len} (the end of their reply is lost)")
         print(f"data: {'; '.join(what)}", file=sys.stderr)
