@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich.markup import escape
 
 from megatrain_cli import __version__
 from megatrain_cli.eval.settings import MOVED_FLAGS as EVAL_MOVED_FLAGS
@@ -23,8 +24,9 @@ app.add_typer(recipes_app, name="recipes")
 
 RECIPES_DIR = Path(__file__).resolve().parent.parent / "recipes"
 # The --help epilogue of `train`, `bench` and `eval`: every recipe key with its type, default and doc.
+# --help renders rich markup: the docs' brackets (`pip install 'megatrain[tensorboard]'`) are escaped, not eaten.
 RECIPE_KEYS = ("Recipe keys (override any as key.sub=value, delete as ~key.sub):\n\n"
-               + schema_help().replace("\n", "\n\n"))
+               + escape(schema_help()).replace("\n", "\n\n"))
 EVAL_EPILOG = ("eval reads the recipe's data.*, eval.* and engine.device keys (the model is --model; the training "
                "keys are not read); the options describe the measurement. The settings flags eval had are now keys: "
                + ", ".join(f"{flag} -> {key.split(' ')[0]}" for flag, (_, key) in EVAL_MOVED_FLAGS.items())

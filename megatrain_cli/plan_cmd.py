@@ -59,7 +59,8 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
     except ValueError:
         as_written = None  # no plan serves it: choose() below says why
     shape = recipe_shape(r, device, as_written)
-    if any(to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)):
+    machine, layer = to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)
+    if machine or layer:
         # The cache is written after probing: one that cannot be is refused first, not after the measurement.
         from megatrain_cli.engine.plan.probe import default_cache_dir
 
@@ -70,6 +71,10 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
         raise TrainingError(f"megatrain plan: {problem}; nothing was probed. Run `megatrain plan` on the machine "
                             f"that will train it{gpu}, or lower train.seq_len / train.micro_batch_size; `megatrain "
                             f"train RECIPE --dry-run` gives the memory plan without probing", 3)
+    if machine:  # the probe times the host AdamW kernel: a first compile is said, not silent
+        from megatrain_cli.train import host_kernel
+
+        host_kernel.prepare("auto", log=log)
     probe = load_or_probe(adapter, measure_layer=measure_layer, **shape, cache_dir=cache_dir, reprobe=reprobe,
                           log=progress)
     preds = choose(r, adapter, device, probe.machine, probe.layer, clipped=clipped)

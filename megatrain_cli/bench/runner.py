@@ -30,6 +30,7 @@ from megatrain_cli.engine.plan.step_plan import StepPlan, plan_step
 from megatrain_cli.models.adapter import ModelAdapter
 from megatrain_cli.recipe import Recipe, parse_bytes
 from megatrain_cli.store.tiles import HostStore
+from megatrain_cli.train import host_kernel
 from megatrain_cli.train.setup import build_engine, build_store, lean_allocator, resolve_device
 
 
@@ -114,6 +115,7 @@ def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix
     where = f" on rank 0 of {dist.world}" if dist is not None else ""
     log(f"{prefix} host store ready: {store.num_params() / 1e9:.2f} B params, {store.host_bytes() / GiB:.1f} GiB"
         f"{where}, init {time.perf_counter() - t0:.1f} s")
+    host_kernel.prepare(r.engine.host_adamw, log=lambda line: log(f"{prefix} {line}"))  # a first compile, said
     return Built(store, build_engine(r, store, planned.plan, device, dist, method=method), allocator)
 
 

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from functools import cached_property
-from pathlib import Path
 
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
@@ -29,29 +27,11 @@ from megatrain_cli.data.formats import (MESSAGE_FIELD_ALIASES, PREFERENCE_FORMAT
 from megatrain_cli.data.load import split_examples, with_system_prompt
 from megatrain_cli.data.mixing import mix, parse_datasets
 from megatrain_cli.data.registry import registry_name, resolve
-from megatrain_cli.data.sources import read_records
+from megatrain_cli.data.sources import RecordPlace, read_records
 from megatrain_cli.recipe import DataConfig
 
 PAIRED_METHODS = ("dpo", "ipo", "simpo", "orpo")
 PREFERENCE_SOURCE = "builtin:sample_math_pref"  # named in messages as a preference set to start from
-
-
-class RecordPlace:
-    """How messages name a source's record i: 'FILE line N' for a .jsonl file (the line table is read only
-    when a message needs it), else 'LABEL record i'."""
-
-    def __init__(self, label: str, file: str | None = None):
-        self.label = label
-        path = Path(file or label)
-        self.file = path if path.suffix.lower() == ".jsonl" and path.is_file() else None
-
-    @cached_property
-    def _lines(self) -> list[int]:
-        with open(self.file, encoding="utf-8") as f:  # the non-blank lines, as sources.py reads them
-            return [n for n, line in enumerate(f, 1) if line.strip()]
-
-    def __call__(self, i: int) -> str:
-        return f"{self.label} line {self._lines[i]}" if self.file is not None else f"{self.label} record {i}"
 
 
 @dataclass

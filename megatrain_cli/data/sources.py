@@ -10,6 +10,7 @@ plain files do not need it.
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 
 from megatrain_cli.data.errors import DataError
@@ -89,6 +90,28 @@ def _no_splits(path: Path, split: str | None) -> None:
     if split not in (None, "train"):
         raise DataError(f"{path}: a single file has no split {split!r} (only the whole file, 'train'); "
                         f"use data.test_source for a separate test file")
+
+
+class RecordPlace:
+    """How messages name a source's record i: 'FILE line N' for a .jsonl file (the line table is read only
+    when a message needs it), else 'LABEL record i'."""
+
+    def __init__(self, label: str, file: str | None = None):
+        self.label = label
+        path = Path(file or label)
+        self.file = path if path.suffix.lower() == ".jsonl" and path.is_file() else None
+
+    @cached_property
+    def _lines(self) -> list[int]:
+        with open(self.file, encoding="utf-8") as f:  # the non-blank lines, as _read_jsonl reads them
+            return [n for n, line in enumerate(f, 1) if line.strip()]
+
+    def line(self, i: int) -> int | None:
+        """Record i's line in the .jsonl file; None for other sources."""
+        return self._lines[i] if self.file is not None else None
+
+    def __call__(self, i: int) -> str:
+        return f"{self.label} line {self.line(i)}" if self.file is not None else f"{self.label} record {i}"
 
 
 # ---------------------------------------------------------------- files

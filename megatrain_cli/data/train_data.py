@@ -27,6 +27,7 @@ from megatrain_cli.data.example import Example
 from megatrain_cli.data.load import source_label
 from megatrain_cli.data.packing import pack_rows
 from megatrain_cli.data.prompts import pad_id
+from megatrain_cli.data.sources import RecordPlace
 from megatrain_cli.data.token_cache import cached_tokenized
 from megatrain_cli.batch import IGNORE_INDEX, MicroBatch
 from megatrain_cli.recipe import DataConfig
@@ -207,7 +208,7 @@ def build_train_data(examples: list[Example], tokenizer, data_cfg: DataConfig, s
         chunks.append(np.fromiter(itertools.chain.from_iterable(kept_ids), dtype=np.int32, count=n_tokens))
         mask_chunks.append(np.fromiter(itertools.chain.from_iterable(kept_masks), dtype=np.bool_, count=n_tokens))
     if not lengths:
-        raise DataError(f"{label}: nothing left to train on: {left_out_report(left_out, len(examples))}")
+        raise DataError(f"{label}: nothing left to train on: {left_out_report(left_out, len(examples), label)}")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
     tokens = torch.from_numpy(np.concatenate(chunks))
@@ -222,17 +223,20 @@ NO_REPLY = "no reply token to learn (with data.train_on=last_assistant: the last
 FIXES = dict.fromkeys((EMPTY_REPLIES, NO_REPLY), "fill in the replies or remove those records")
 
 
-def left_out_report(left_out: dict[str, list[int]], total: int, shown: int = 5) -> str:
-    """'3 of 10 training examples left out: 2: the prompt fills train.seq_len=64 (records 1, 5; raise
-    train.seq_len); ...': each reason with its count, its first `shown` record numbers (from 0, in the
-    source's order) and the fix."""
+def left_out_report(left_out: dict[str, list[int]], total: int, source: str = "", shown: int = 5) -> str:
+    """'3 of 10 training examples left out: 2: the prompt fills train.seq_len=64 (lines 2, 6; raise
+    train.seq_len); ...': each reason with its count, where its first `shown` examples are (lines of a .jsonl
+    `source`, else record numbers from 0 in the source's order) and the fix."""
+    place = RecordPlace(source)
     parts = []
     for why, records in sorted(left_out.items(), key=lambda kv: -len(kv[1])):
         ids = sorted(records)
         more = f", ... ({len(ids) - shown} more)" if len(ids) > shown else ""
         fix = FIXES.get(why, "raise train.seq_len" if why.startswith("the prompt fills") else "fix or remove them")
-        parts.append(f"{len(ids)}: {why} (record{'s' if len(ids) > 1 else ''} "
-                     f"{', '.join(map(str, ids[:shown]))}{more}; {fix})")
+        where = [place.line(i) if place.file is not None and i >= 0 else i for i in ids[:shown]]
+        kind = "line" if place.file is not None else "record"
+        parts.append(f"{len(ids)}: {why} ({kind}{'s' if len(ids) > 1 else ''} "
+                     f"{', '.join(map(str, where))}{more}; {fix})")
     n = sum(map(len, left_out.values()))
     return f"{n} of {total} training examples left out: " + "; ".join(parts)
 

@@ -139,6 +139,7 @@ def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path, pref=None):
 def _supervised(r: Recipe, tokenizer, dist, lead: bool):
     """(training rows, held-out rows or None) of a supervised run; what the data leaves out is said here."""
     from megatrain_cli.data import build_train_data, load_examples, split_examples
+    from megatrain_cli.data.load import source_label
     from megatrain_cli.data.train_data import left_out_report
     from megatrain_cli.train.validation import HeldOut
 
@@ -147,7 +148,7 @@ def _supervised(r: Recipe, tokenizer, dist, lead: bool):
     train_ex, test_ex = split_examples(examples, r.data)
     data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
     if lead and (data.left_out or data.truncated):
-        what = [left_out_report(data.left_out, len(train_ex))] if data.left_out else []
+        what = [left_out_report(data.left_out, len(train_ex), source_label(r.data))] if data.left_out else []
         if data.truncated:
             what.append(f"{data.truncated} cut at train.seq_len={t.seq_len} (the end of their reply is lost)")
         print(f"data: {'; '.join(what)}", file=sys.stderr)
@@ -162,7 +163,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
     from megatrain_cli.metrics.step import step_metrics
     from megatrain_cli.optim.host_adamw import lr_at
     from megatrain_cli.recipe.load import to_dict
-    from megatrain_cli.train import resume, stop
+    from megatrain_cli.train import host_kernel, resume, stop
     from megatrain_cli.train.sinks import open_sinks
     from megatrain_cli.train.skips import SkipCount
     from megatrain_cli.train.validation import due
@@ -171,6 +172,8 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
     long_ctx = plan.lean
     if long_ctx is not None:
         lean_allocator(device)
+    host_kernel.prepare(r.engine.host_adamw, log=(lambda line: print(line, file=sys.stderr)) if lead else
+                        (lambda _line: None))
     store = build_store(r, config, dist)
     engine = build_engine(r, store, plan, device, dist, method=pref.method if pref is not None else None)
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).

@@ -254,3 +254,51 @@ def test_export_stopped_half_way_leaves_nothing(tmp_path, models, monkeypatch, h
                   f"export stopped by {'SIGINT' if how == 'ctrl-c' else 'SIGTERM'}", "partial files were removed")
     assert str(tmp_path / "out") in out and sorted(p.name for p in tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGTERM) is handler  # put back after the export
+
+
+# ---------------------------------------------------------------- the first run's compile, said; a dead one's lock
+def test_the_host_kernel_compile_is_said_with_its_progress(tmp_path, monkeypatch):
+    """1.5-2 minutes of compiling on two cores printed nothing, before."""
+    import time
+
+    from megatrain_cli.optim import adamw_cpp
+    from megatrain_cli.train import host_kernel
+
+    monkeypatch.setattr(host_kernel, "compile_lock", lambda: tmp_path / "lock")
+    monkeypatch.setattr(host_kernel, "NOTICE_AFTER_S", 0.05)
+    monkeypatch.setattr(host_kernel, "PROGRESS_S", 0.1)
+    monkeypatch.setattr(adamw_cpp, "available", lambda: time.sleep(0.35) or True)
+    said = []
+    host_kernel.prepare("auto", log=said.append)
+    assert said[0].startswith("host AdamW: compiling the C++ kernel (the first run in this environment")
+    assert any(line.startswith("host AdamW: still compiling, ") for line in said[1:-1])
+    assert said[-1].startswith("host AdamW: the C++ kernel is ready (")
+    said.clear()
+    host_kernel.prepare("torch", log=said.append)
+    assert said == []
+
+
+def test_a_compile_lock_left_by_a_killed_process_is_named(tmp_path, monkeypatch):
+    """torch waits for it forever: the next run hung without a word."""
+    import os
+    import time
+
+    from megatrain_cli.train import host_kernel
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    monkeypatch.setattr(host_kernel, "compile_lock", lambda: lock)
+    refused(megatrain("train", TINY, f"output_dir={tmp_path / 'out'}", "train.steps=1", "eval.enabled=false",
+                      "eval.every_n_steps=null"), 2, f"compile lock {lock} is 60 min old", f"rm {lock}",
+            "engine.host_adamw=torch")
+    assert lock.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "bench", "eval"])
+def test_help_keeps_the_extras_brackets(command):
+    """`pip install 'megatrain'`: rich markup ate '[tensorboard]'."""
+    out = megatrain(command, "--help").output
+    for extra in ("tensorboard", "wandb", "mlflow"):
+        assert f"megatrain[{extra}]" in out, extra
+    assert "'megatrain'`" not in out and "\\[" not in out

@@ -78,17 +78,17 @@ def test_examples_left_out_are_counted_and_named(tmp_path):
     result = train(tmp_path, f"data.source={data}", "data.template=plain", "data.test_fraction=0", "train.steps=1",
                    "checkpoint.export_final=false")
     assert result.exit_code == 0, result.output
-    assert ("data: 3 of 9 training examples left out: 2: the prompt fills train.seq_len=64 (records 2, 5; raise "
-            "train.seq_len); 1: every assistant reply is empty (record 7;") in result.output
+    assert ("data: 3 of 9 training examples left out: 2: the prompt fills train.seq_len=64 (lines 3, 6; raise "
+            "train.seq_len); 1: every assistant reply is empty (line 8;") in result.output
     assert snapshot(data) == before
 
 
 @pytest.mark.parametrize("records,names", [
     ([{"query": "What is 1 + 1?", "response": float("nan")}, {"query": "And 2 + 2?", "response": float("inf")}],
-     ["2 of 2 training examples left out", "field 'response' is nan, not text (record 0", "is inf, not text (record 1"]),
+     ["2 of 2 training examples left out", "field 'response' is nan, not text (line 1", "is inf, not text (line 2"]),
     ([{"query": "word " * 200, "response": "The answer is: 3"}] * 3,
-     ["3 of 3 training examples left out", "the prompt fills train.seq_len=64 (records 0, 1, 2; raise train.seq_len)"]),
-    ([{"query": "What is 1 + 1?", "response": ""}] * 2, ["every assistant reply is empty (records 0, 1"]),
+     ["3 of 3 training examples left out", "the prompt fills train.seq_len=64 (lines 1, 2, 3; raise train.seq_len)"]),
+    ([{"query": "What is 1 + 1?", "response": ""}] * 2, ["every assistant reply is empty (lines 1, 2"]),
 ], ids=["nan-values", "prompts-too-long", "empty-replies"])
 def test_data_with_nothing_left_to_learn_is_refused(tmp_path, records, names):
     data = tmp_path / "data.jsonl"
