@@ -294,8 +294,8 @@ def test_long_rows_build_no_mask_and_only_an_unpacked_window_is_refused(monkeypa
 
     windowed = tiny_config("mistral", layers=2)  # a window of 6 < 16 tokens
     store = build_store(windowed, torch.float32, seed=0)
-    engine = Engine(store, TrainConfig(), device=torch.device("cpu"), long_context=forced_plan(windowed, 1, lean=False,
-                                                                                                offloaded=1))
+    engine = make_engine(store, TrainConfig(), device="cpu", lean=forced_plan(windowed, 1, lean=False, offloaded=1),
+                         overlap_optimizer=False)
     (mbs,) = random_batches(windowed.vocab_size, 1, 1, batch=BATCH, seq=SEQ, seed=0)
     with pytest.raises(ValueError, match=r"sliding window \(6 tokens\) is shorter than train.seq_len \(16\)"):
         engine.forward_backward(mbs)
