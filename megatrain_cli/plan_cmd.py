@@ -79,6 +79,10 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
                           log=progress)
     preds = choose(r, adapter, device, probe.machine, probe.layer, clipped=clipped)
     print(render(r, probe, preds, device))
+    if r.train.method != "sft" and as_written is not None:  # the method, its pair layout, its reference pass
+        from megatrain_cli.train.predicted import method_lines
+
+        print(method_lines(r, adapter, device, as_written, cache_dir=cache_dir))
     return 0 if preds and preds[0].fits else 3
 
 

@@ -11,8 +11,8 @@ logits never whole:
        statistics (KTO's reference point) are summed over micro-batches and ranks (one all-reduce), the
        method's loss and d(sum of losses / units)/d(sums) per micro-batch, then the cross-entropy backward
        weighted per token by -dL/dS of its sequence: the LM head's gradient and d/d(hidden), as SFT's head.
-Costs over SFT's head: one more chunked LM-head matmul (pass 1), the final norm twice, a host sync per
-micro-batch for its losses and metrics, and with ranks one all-reduce of a few scalars. The fused Triton
+Costs over SFT's head: one more chunked LM-head matmul (pass 1), the final norm twice, one host sync for the
+step's losses and metrics, and with ranks one all-reduce of a few scalars. The fused Triton
 cross-entropy takes one scale for every token: a preference step runs the PyTorch chunks.
 """
 
@@ -66,8 +66,10 @@ def run_preference_head(engine, h, labels, mbs, sq_norm) -> PreferenceHead:
         step = None if step is None else torch.tensor(summed[1:], dtype=torch.float64, device=dev)
     scale = 1.0 / max(1, units)
     out = PreferenceHead([], [], None, MetricTotals(), units)
+    per_mb = []  # (unit losses, metrics) on the device: read back at once after the loop (one host sync)
     for x, lab, mb, pol, ref, layout in zip(h, labels, mbs, policy, reference, layouts):
         losses, grad, metrics = sequence_grads(method, pol, ref, layout, scale, step)
+        per_mb.append((losses, metrics))
         b, t = lab.shape
         weights = torch.zeros(b, t, dtype=torch.float32, device=dev)
         weights[:, :-1] = token_weights(grad, mb.labels.to(dev), mb.position_ids.to(dev))
@@ -76,10 +78,13 @@ def run_preference_head(engine, h, labels, mbs, sq_norm) -> PreferenceHead:
         d_normed = weighted_loss(flat_n, lab.reshape(-1), weights.reshape(-1), head.lm_w, head.lm_grad, engine.chunk,
                                  engine.adapter.logit_softcap)
         out.grads_out.append(head.norm_backward(x, normed, d_normed))
-        out.totals.add(metrics)
-        n = method.units(layout)
-        out.losses.append((float(losses.sum()) / max(1, n), n))
     out.tied_grad = head.finish(sq_norm)
+    flat = [t.detach().double().reshape(-1) for losses, metrics in per_mb for t in (losses, *metrics.values())]
+    host = iter(torch.cat(flat).cpu().split([t.numel() for t in flat]))
+    for (losses, metrics), layout in zip(per_mb, layouts):
+        n = method.units(layout)
+        out.losses.append((float(next(host).sum()) / max(1, n), n))
+        out.totals.add({name: next(host) for name in metrics})
     return out
 
 

@@ -202,3 +202,54 @@ def test_supervised_data_with_a_preference_method_is_refused(tmp_path):
             f"{data} line 1 (fields query, response)", "supervised data (format metamathqa)", "train.method dpo",
             "{prompt, chosen, rejected}")
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- dry run, bench, dashboard
+def test_dry_run_states_the_method_the_pair_layout_and_the_reference_pass():
+    result = megatrain("train", DPO_TINY, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "method: dpo, the loss a mean over each step's pairs; each pair's chosen and rejected sequences side " \
+           "by side in one row" in result.output
+    assert "reference pass: one streamed forward over every training sequence" in result.output
+    simpo = megatrain("train", DPO_TINY, "train.method=simpo", "--dry-run")
+    assert "reference pass: none (simpo is reference-free)" in simpo.output
+
+
+def test_bench_times_the_method_sft_and_the_reference_pass_on_the_same_tokens(tmp_path):
+    out = tmp_path / "bench.json"
+    result = megatrain("bench", "train.method=dpo", "--model", "tiny", "--device", "cpu", "model.dtype=fp32",
+                       "--seq", "128", "--batch", "2", "--steps", "1", "--output", out, "logging.dashboard=off")
+    assert result.exit_code == 0, result.output
+    rows = {r["name"]: r for r in json.loads(out.read_text())}
+    assert list(rows) == ["dpo", "sft", "reference"]
+    assert all(r["batch"] == 2 and r["seq"] == 128 and r["tokens_per_s"] > 0 for r in rows.values())
+    assert rows["dpo"]["losses"][0] == pytest.approx(math.log(2), abs=1e-12)  # the reference pass's scores
+    assert "dpo / sft:" in result.output and "dpo / reference:" in result.output
+    refused(megatrain("bench", "train.method=dpo", "--model", "tiny", "--device", "cpu", "--gpus", "2"), 2,
+            "train.method=dpo: not with --gpus")
+
+
+def test_the_dashboard_shows_the_pairs_metrics():
+    import io
+
+    from rich.console import Console
+
+    from megatrain_cli.dashboard import Dashboard
+    from megatrain_cli.metrics.record import StepMetrics
+
+    m = StepMetrics(step=3, total_steps=10, loss=0.61, lr=1e-3, grad_norm=0.5, tokens=1024, loss_tokens=300,
+                    step_time_s=1.0, tokens_per_s=1024.0, val_loss=0.65,
+                    preference={"rewards/accuracies": 0.875, "rewards/margins": 0.25, "rewards/chosen": 0.1},
+                    val_preference={"rewards/accuracies": 0.75})
+    console = Console(file=io.StringIO(), width=200, force_terminal=False, color_system=None, record=True)
+    dash = Dashboard("plain", total_steps=10, console=console, val_every=3, preference=True)
+    dash.update(m)
+    dash.progress("reference pass (training)", 5, 10)
+    header, line, progress = console.export_text().splitlines()
+    assert [c.strip() for c in header.split("|")][:4] == ["step", "loss", "acc", "margin"]
+    assert header.split("|")[-1].strip() == "val acc" and line.split("|")[-1].strip() == "0.750"
+    assert [c.strip() for c in line.split("|")][2:4] == ["0.875", "0.2500"]
+    assert progress == "reference pass (training): 5/10 rows (50%)"
+    console.print(dash.render(m))
+    frame = console.export_text()
+    assert "preference" in frame and "rewards/accuracies" in frame and "held-out accuracies" in frame
