@@ -24,3 +24,16 @@ from torch.utils.cpp_extension import get_default_build_root
 
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", get_default_build_root())
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")
+
+
+def pytest_sessionstart(session):
+    """A compile lock left by a killed compile makes every in-process load of the C++ AdamW wait forever
+    (the product's runs refuse it through train/host_kernel.prepare; tests load the kernel directly):
+    stop here with the same words instead of hanging."""
+    import pytest
+
+    from megatrain_cli.train import host_kernel
+
+    lock = host_kernel.compile_lock()
+    if lock.exists() and host_kernel.lock_age(lock) > host_kernel.STALE_S:
+        raise pytest.UsageError(host_kernel.stale_lock_message(lock, "tests"))

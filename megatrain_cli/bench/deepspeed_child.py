@@ -232,8 +232,6 @@ def run(args) -> dict:
     # One process, one GPU: the environment torch.distributed's env:// init reads.
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    # No NVLink multicast (the lent machines must not use it).
-    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(0)

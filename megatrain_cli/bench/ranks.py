@@ -14,7 +14,7 @@ train/setup.py, runs the warm-up and timed steps (loop.run_timed_steps) and meas
 gathers the figures (gloo) and reports: tokens/s of all ranks (global tokens per step / the slowest rank's
 step time), each rank's step time, host RSS per process and their sum per parameter, peak device memory
 per GPU. Host memory is checked once, by rank 0, before any rank allocates. The lean paths (long-context,
-memory-lean) run on one rank only, as in `train`. Multicast / NVLS stays off in every launcher.
+memory-lean) run on one rank only, as in `train`.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from megatrain_cli.bench.loop import BenchRows, run_timed_steps
 from megatrain_cli.bench.result import BenchResult
 from megatrain_cli.bench.runner import DoesNotFit, build, plan_bench
 from megatrain_cli.bench.settings import BenchRun
-from megatrain_cli.engine.dist import init_distributed, leave_process_group, multicast_off, split_micro_batches
+from megatrain_cli.engine.dist import init_distributed, leave_process_group, split_micro_batches
 from megatrain_cli.engine.plan.step_plan import device_budget
 from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes, usable_cpus
 from megatrain_cli.metrics.flops import streamed_step_flops
@@ -61,7 +61,6 @@ def bench_ranks(r: Recipe, run: BenchRun = BenchRun(), gpus: int | None = None, 
     here and gpus > 1 starts that many ranks under train/supervise.py's launcher (signals forwarded, no rank
     outlives it, a failed rank takes the others down: RanksFailed). Returns the report where rank 0's lands
     (this process when it is rank 0 or the launcher), None on the other ranks."""
-    multicast_off()
     if under_torchrun():
         world = int(os.environ["WORLD_SIZE"])
         if gpus is not None and gpus != world:

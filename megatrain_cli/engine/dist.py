@@ -16,14 +16,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-# NVLink multicast / NVLS off in every launcher: the multi-GPU H200 machines we run on need it off.
-MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-
-
-def multicast_off() -> None:
-    os.environ.update(MULTICAST_OFF)
-
-
 def _all_gather_fn():  # newer torch renames it (the old name warns); torch 2.4 has only the old one
     return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -126,8 +118,7 @@ def init_distributed(device_type: str = "cuda", *, init_method: str | None = Non
                      world_size: int | None = None) -> DistContext:
     """The process group for one rank (torchrun's environment by default); NCCL on CUDA, else gloo.
 
-    Under torchrun, LOCAL_RANK picks the GPU. Multicast / NVLS is switched off first (MULTICAST_OFF)."""
-    multicast_off()
+    Under torchrun, LOCAL_RANK picks the GPU. NCCL's own settings (NVLS among them) are the user's: none set here."""
     if device_type == "cuda":
         local = int(os.environ.get("LOCAL_RANK", rank if rank is not None else 0))
         torch.cuda.set_device(local)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.inputs import embed_scale
 
 
@@ -29,10 +30,10 @@ def embed_backward(engine, grads_out, uniq, inv_dev, offsets, tied_flat, sq_norm
     if tied_flat is not None:
         tied_grad = tied_flat[:adapter.vocab_size * H].view(adapter.vocab_size, H)
         tied_grad.index_add_(0, uniq_dev, rows)
-        sq = torch.dot(tied_flat, tied_flat)
+        sq = squared_norm(tied_flat)
         sq_norm.add_(sq)
         engine.sink.send("embed", tied_flat, sq)
     else:
-        sq = rows.square().sum()
+        sq = squared_norm(rows)
         sq_norm.add_(sq)
         engine.sink.send_rows("embed", rows, uniq, sq)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatrain_cli.batch import IGNORE_INDEX
+from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.loss import chunked_loss, fused_loss
 from megatrain_cli.engine.templates import run_bound
 
@@ -69,7 +70,7 @@ class HeadWeights:
             views["norm." + name].copy_(g)
         if not engine.adapter.tied:
             views["lm_head.weight"].copy_(self.lm_grad)
-        sq = torch.dot(head_acc, head_acc)
+        sq = squared_norm(head_acc)
         sq_norm.add_(sq)
         engine.send_grad("head", head_acc, sq)
         return self.tied_flat

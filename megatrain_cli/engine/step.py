@@ -17,6 +17,7 @@ from megatrain_cli.batch import MicroBatch, StepResult
 from megatrain_cli.engine import kernel_patch
 from megatrain_cli.engine.inputs import embed_output_grad, step_inputs
 from megatrain_cli.engine.embed_backward import embed_backward
+from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.head import run_head
 from megatrain_cli.engine.preference_head import run_preference_head
 from megatrain_cli.engine.plan.lean import LeanPlan
@@ -256,7 +257,7 @@ class Engine:
         if self.router is not None:
             self.router.begin(len(mbs))
         norm_scale = 1.0 / max(1, n_loss_tokens)
-        sq_norm = torch.zeros((), dtype=torch.float32, device=dev)
+        sq_norm = torch.zeros((), dtype=torch.float64, device=dev)  # engine/grad_norm.py says why fp64
 
         graphs: dict[int, tuple[list, list, dict]] = {}  # layer -> (inputs, outputs, leaves)
         pref = None  # a preference step's head: its metrics and units
@@ -377,7 +378,7 @@ class Engine:
             grads_in.append(out[0])
             for name, gw in zip(names, out[1:]):
                 acc_views[name].add_(gw)
-        sq = torch.dot(acc, acc)  # no temporary the size of the layer, unlike acc.square().sum()
+        sq = squared_norm(acc)
         sq_norm.add_(sq)
         self.send_grad(f"layers.{i}", acc, sq)
         return grads_in

@@ -33,6 +33,15 @@ def compile_lock() -> Path:
     return Path(_get_build_directory(adamw_cpp._NAME, False)) / "lock"
 
 
+def lock_age(lock: Path) -> float:
+    return time.time() - lock.stat().st_mtime
+
+
+def stale_lock_message(lock: Path, who: str) -> str:
+    return (f"{who}: the C++ AdamW kernel's compile lock {lock} is {lock_age(lock) / 60:.0f} min old: a compile "
+            f"that was killed left it, and torch would wait for it forever. Delete it (rm {lock}) and run again")
+
+
 def prepare(host_adamw: str, log=print) -> None:
     """engine.host_adamw 'auto' or 'cpp': the kernel loaded (compiled first when needed) with a word about it;
     a failed compile is left for the engine to answer ('auto' falls back to torch with a warning)."""
@@ -42,12 +51,10 @@ def prepare(host_adamw: str, log=print) -> None:
 
     lock = compile_lock()
     if lock.exists():
-        age = time.time() - lock.stat().st_mtime
+        age = lock_age(lock)
         if age > STALE_S:
-            raise TrainingError(f"engine.host_adamw={host_adamw}: the C++ AdamW kernel's compile lock {lock} is "
-                                f"{age / 60:.0f} min old: a compile that was killed left it, and torch would wait "
-                                f"for it forever. Delete it (rm {lock}) and run again, or set "
-                                f"engine.host_adamw=torch", 2)
+            raise TrainingError(stale_lock_message(lock, f"engine.host_adamw={host_adamw}") +
+                                ", or set engine.host_adamw=torch", 2)
         log(f"host AdamW: waiting for another process compiling the C++ kernel (its lock {lock}, "
             f"{age:.0f} s old)")
     done = threading.Event()

@@ -7,7 +7,7 @@ Two ways in, one code path per rank (train.loop._loop with a DistContext):
     torchrun --nproc-per-node N -m megatrain_cli train RECIPE
                                                torchrun's RANK / WORLD_SIZE / LOCAL_RANK (env://)
 
-On CUDA each rank takes the GPU LOCAL_RANK and NCCL (multicast off); on the CPU gloo. Each rank holds
+On CUDA each rank takes the GPU LOCAL_RANK and NCCL (with NCCL's own settings: the user's environment); on the CPU gloo. Each rank holds
 1/N of every tile (store/sharded.py) and takes micro-batches rank, rank + N, ... of every step: every
 rank draws the same global batch from the same data stream, so train.grad_accum must be a multiple of
 N (>= N). Rank 0 alone prints the dashboard, writes metrics.jsonl and exports final/ (the masters

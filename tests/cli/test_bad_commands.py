@@ -295,6 +295,25 @@ def test_a_compile_lock_left_by_a_killed_process_is_named(tmp_path, monkeypatch)
     assert lock.exists() and not (tmp_path / "out").exists()
 
 
+def test_a_test_session_stops_on_a_stale_compile_lock(tmp_path, monkeypatch):
+    """Tests load the kernel in-process, not through prepare(): a stale lock hung the suite at 0% CPU."""
+    import os
+    import sys
+    import time
+
+    from megatrain_cli.train import host_kernel
+
+    conftest = next(m for m in list(sys.modules.values())
+                    if getattr(m, "__file__", None) and m.__file__.endswith(os.path.join("tests", "conftest.py")))
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    monkeypatch.setattr(host_kernel, "compile_lock", lambda: lock)
+    conftest.pytest_sessionstart(None)  # a fresh lock: another process compiling, not refused
+    os.utime(lock, (time.time() - 3600, time.time() - 3600))
+    with pytest.raises(pytest.UsageError, match=f"tests: the C\\+\\+ AdamW kernel's compile lock {lock} is 60 min old"):
+        conftest.pytest_sessionstart(None)
+
+
 @pytest.mark.parametrize("command", ["train", "bench", "eval"])
 def test_help_keeps_the_extras_brackets(command):
     """`pip install 'megatrain'`: rich markup ate '[tensorboard]'."""

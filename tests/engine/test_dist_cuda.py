@@ -69,7 +69,7 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from megatrain_cli.models.loader import build_sharded_store
 
     ctx = init_distributed("cuda", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    assert os.environ["NCCL_NVLS_ENABLE"] == "0" and ctx.device == torch.device("cuda", rank)
+    assert ctx.device == torch.device("cuda", rank)
     out = {}
     with _math_attention():
         for run, (tied, accum, dtype, overlap) in RUNS.items():
@@ -93,9 +93,9 @@ def _rank_main(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def ranks(tmp_path_factory):
     import torch.multiprocessing as mp
 
-    from megatrain_cli.engine.dist import multicast_off
-
-    multicast_off()  # the ranks inherit it (and init_distributed sets it again)
+    # The lent multi-GPU machines need NVLink multicast off: the test sets it for its ranks (they inherit
+    # it); the product leaves NCCL's settings to the user (test_data_parallel checks that).
+    os.environ.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
     tmp = tmp_path_factory.mktemp("dist-cuda")
     mp.spawn(_rank_main, args=(WORLD, str(tmp / "init"), str(tmp)), nprocs=WORLD, join=True)
     return [torch.load(tmp / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -250,11 +250,11 @@ class CudaGradSink(GradSink):
         # The device gradient is freed by the compute thread once it goes out of scope: tell the
         # caching allocator the D2H stream still reads it.
         grad.record_stream(self.d2h)
-        if sq_norm is not None:  # 4 bytes read by the D2H stream below: not to be reused before
+        if sq_norm is not None:  # 8 bytes read by the D2H stream below: not to be reused before
             sq_norm.record_stream(self.d2h)
-        # The tile's squared norm rides along (4 bytes, same stream), so the host learns it when the
+        # The tile's squared norm rides along (8 bytes, same stream), so the host learns it when the
         # gradient lands, without a device sync.
-        sq_host = torch.zeros((), dtype=torch.float32, pin_memory=True)
+        sq_host = torch.zeros((), dtype=torch.float64, pin_memory=True)
         with torch.cuda.stream(self.d2h):
             self.d2h.wait_event(done)
             if sq_norm is not None:

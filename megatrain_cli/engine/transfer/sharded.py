@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megatrain_cli.engine.dist import DistContext
+from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.transfer.reference import GradSink, WeightStreamer
 from megatrain_cli.engine.transfer.slots import Slot, TransferStats
 from megatrain_cli.engine.transfer.updates import HostUpdates
@@ -132,7 +133,7 @@ class ShardReducer:
 
     def __init__(self, store: ShardedHostStore, ctx: DistContext, stats: TransferStats, owners: RowsFromOwners):
         self.store, self.ctx, self.stats, self.owners = store, ctx, stats, owners
-        self._sq = torch.zeros((), dtype=torch.float32, device=ctx.device)
+        self._sq = torch.zeros((), dtype=torch.float64, device=ctx.device)
 
     def reset(self) -> None:
         self._sq.zero_()
@@ -150,7 +151,7 @@ class ShardReducer:
             raise ValueError(f"{tile}: the gradient has {grad.numel()} elements, the sharded store needs "
                              f"{spec.padded} (the tile padded to {spec.world} shards)")
         mine = self.ctx.reduce_scatter(grad)
-        sq = torch.dot(mine, mine)
+        sq = squared_norm(mine)
         self._sq.add_(sq)
         self.stats.reduced_bytes += grad.numel() * grad.element_size()
         return mine, sq
@@ -167,7 +168,7 @@ class ShardReducer:
         buf.index_copy_(0, plan.pos, rows.float())
         self.ctx.all_reduce(buf)
         mine = buf[plan.lo:plan.hi]
-        sq = mine.square().sum()
+        sq = squared_norm(mine)
         self._sq.add_(sq)
         self.stats.reduced_bytes += buf.numel() * buf.element_size()
         return mine, sq, plan.local
