@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU command the README and the recipes show, each shrunk to seconds, in one device call:
-# train (bf16 / fp32 / bf16 masters, resident auto / 0 / N), bench with and without engine.max_gpu_mem,
-# the long-context path, mixture of experts, eval resident and streamed, export, `megatrain plan`,
+# train (bf16 / fp32 / bf16 masters, resident auto / 0 / N, DPO), bench with and without engine.max_gpu_mem,
+# packed rows, the preference bench, the long-context path, mixture of experts, eval resident and streamed, export, `megatrain plan`,
 # and `--gpus 2` where two GPUs are present. Exit non-zero when any row fails; a summary table last.
 # Usage (on the GPU machine, repository root): bash scripts/gpu_smoke.sh   Logs: $OUT/smoke (or ./gpu-logs).
 set -u
@@ -39,6 +39,7 @@ row train-fp32-compute 240 megatrain train $TINY engine.device=cuda $STEPS outpu
 row train-bf16-masters 240 megatrain train $TINY $BF16 train.master_weights=bf16 $STEPS output_dir=$W/bf16m
 row train-resident-0 240 megatrain train $TINY $BF16 engine.resident_layers=0 $STEPS output_dir=$W/r0
 row train-resident-2 240 megatrain train $TINY $BF16 engine.resident_layers=2 $STEPS output_dir=$W/r2
+row train-dpo 240 megatrain train recipes/dpo-tiny.yaml engine.device=cuda $STEPS output_dir=$W/dpo
 row export 120 megatrain export $W/bf16/step_2 $W/bf16-export
 row eval-resident 240 megatrain eval $TINY eval.limit=4 eval.max_new_tokens=16 --model $W/bf16/final --mode resident \
   --output-dir $W/eval-r
@@ -52,6 +53,10 @@ row bench-0.5b-native 300 megatrain bench --model 0.5b --seq 2048 --batch 4 $BEN
   --output $W/bench-0.5b-native.json
 row bench-7b-24GiB 400 megatrain bench --model 7b --layers 4 --seq 4096 --batch 8 engine.max_gpu_mem=24GiB $BENCH \
   --output $W/bench-7b-24GiB.json
+row bench-packed-0.5b 300 megatrain bench --model 0.5b --seq 4096 --batch 4 data.packing=true bench.doc_lengths=data \
+  $BENCH --output $W/bench-packed-0.5b.json
+row bench-dpo 400 megatrain bench recipes/dpo-7b.yaml --model 0.5b --seq 2048 --batch 2 --steps 1 --warmup 1 \
+  --output $W/bench-dpo.json
 row bench-long-32k 400 megatrain bench --model 0.5b --seq 32k --batch 1 --steps 1 --output $W/bench-long-32k.json
 row bench-moe 400 megatrain bench --model qwen3-30b-a3b --layers 2 --seq 2048 --batch 2 $BENCH \
   --output $W/bench-moe.json

@@ -58,3 +58,22 @@ def test_step_grad_norm_is_the_fp64_norm_of_the_landed_gradients(tied):
     res = engine.step(batches[0], 0.0)  # lr 0: the gradients are what matters
     want = math.sqrt(sum(t.grad.double().square().sum().item() for t in store.tiles.values()))
     assert want > 0 and res.grad_norm == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_squared_norm_on_cuda_matches_fp64_with_a_chunk_sized_temporary():
+    """The GPU path: same accuracy, and the fp64 cast never exceeds one chunk (the planner's headroom
+    covers 32 MiB, not a cast copy of a 7B layer)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flat = torch.rand(50_000_000 + 517, generator=g, device="cuda") * 1e-6
+    flat[::4099] = 1e-2
+    want = flat.double().square().sum().item()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    got = squared_norm(flat)
+    torch.cuda.synchronize()
+    assert got.dtype == torch.float64 and got.device == flat.device
+    assert got.item() == pytest.approx(want, rel=1e-12)
+    assert torch.cuda.max_memory_allocated() - base <= CHUNK * 8 + (1 << 20)
