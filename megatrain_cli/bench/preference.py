@@ -5,9 +5,10 @@ one pair, its chosen sequence then its rejected one (train.seq_len / 2 tokens ea
 at the second), both opening with the same prompt (an eighth of a sequence, no labels), the rest labelled.
 The rows hold exactly the tokens of the SFT bench's (micro_batch_size x seq_len per micro-batch).
 
-    reference  the reference pass over every step's micro-batches (engine/validate.score_passes, a step's
-               grad_accum micro-batches per streamed pass): forward only, pass 1 of the preference head. Its
-               scores are the ones the steps then read. The first pass is its warm-up.
+    reference  the reference pass over every step's micro-batches (engine/validate.score_passes, one call,
+               a step's grad_accum micro-batches per streamed pass): forward only, pass 1 of the preference
+               head. Its scores are the ones the steps then read. The first pass is its warm-up (and loads
+               the resident layers' weights, once, as a run's reference pass does).
     dpo (the method's name)  full training steps with the method's head (short.measure)
     sft        the same steps, rows and engine with the SFT head (the method swapped on the engine)
 
@@ -85,17 +86,27 @@ def measure(planned, store, engine, run, *, log=print, dashboard: str | None = N
             mb.reference = SequenceScores(scores.logps.cpu(), scores.tokens.cpu())
 
     try:
+        # One score_passes over every step's micro-batches, a step's worth per streamed pass, as the
+        # trainer's reference pass runs over its data: the resident weights load once, in the first pass
+        # (its warm-up). A call per pass paid that load every time (7B, 28 layers resident: 12 s a pass).
         pass_times = []
-        for s, mbs in enumerate(steps_batches):  # one streamed pass per step's micro-batches, as training's
+        clock = [0.0]
+
+        def timed(mbs) -> None:
             if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            score_passes(engine, mbs, accum, keep)
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            pass_times.append(time.perf_counter() - t0)
-            log(f"[bench] reference pass {s}{' (warm-up)' if s == 0 else ''}: {pass_times[-1]:.2f} s")
-        reference = _reference_row(planned, store, engine, pass_times[1:] or pass_times)
+                torch.cuda.synchronize(dev)  # a host sync per pass, for the pass's own time
+            now = time.perf_counter()
+            pass_times.append(now - clock[0])
+            clock[0] = now
+            s = len(pass_times) - 1
+            log(f"[bench] reference pass {s}{' (warm-up: loads the resident weights)' if s == 0 else ''}: "
+                f"{pass_times[-1]:.2f} s")
+
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        clock[0] = time.perf_counter()
+        score_passes(engine, [mb for mbs in steps_batches for mb in mbs], accum, keep, on_pass=timed)
+        reference = _reference_row(planned, store, engine, pass_times[1:] or pass_times, first=pass_times[0])
         rows = []
         for name, m in ((method.name, method), ("sft", SFT())):
             engine.method = m
@@ -108,7 +119,7 @@ def measure(planned, store, engine, run, *, log=print, dashboard: str | None = N
     return [*rows, reference]
 
 
-def _reference_row(planned, store, engine, times: list[float]) -> BenchResult:
+def _reference_row(planned, store, engine, times: list[float], first: float) -> BenchResult:
     r, dev = planned.r, planned.device
     t = r.train
     step_s = sum(times) / len(times)
@@ -125,4 +136,5 @@ def _reference_row(planned, store, engine, times: list[float]) -> BenchResult:
         bytes_per_param=store.host_bytes() / store.num_params(),
         notes=f"the reference pass of train.method={t.method}: forward only (no autograd, no optimizer), the "
               f"preference head's pass 1, {t.grad_accum} micro-batch(es) of {t.micro_batch_size} pairs per "
-              f"streamed pass; mean of {len(times)} pass(es) after a warm-up")
+              f"streamed pass; mean of {len(times)} pass(es) after the first ({first:.2f} s: the resident weights' "
+              f"load, once per run, and the warm-up)")

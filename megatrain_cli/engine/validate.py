@@ -51,7 +51,7 @@ def forward_passes(engine, micro_batches: Iterable[MicroBatch], group: int, head
     engine.synchronize(masters=False)  # pending host updates land: the pass reads current masters
     before_first_step = not engine.resident.loaded  # the reference pass: a resume may still fill the host tiles
     if before_first_step:
-        engine.resident.load()
+        engine.resident.load(weights_only=True)  # forward only: no moments, released after
     batches = iter(micro_batches)
     try:
         while mbs := list(itertools.islice(batches, group)):

@@ -79,6 +79,44 @@ def test_resident_run_is_bit_identical_to_the_streamed_one_on_cpu(dtype, master)
             assert torch.equal(getattr(tile, section), getattr(stores[1].tiles[name], section)), (name, section)
 
 
+def test_a_forward_only_pass_before_the_first_step_loads_the_resident_weights_alone():
+    """The reference pass (engine/validate, before any step) loads the resident layers' weights only, and
+    drops them after: its scores equal the all-streamed engine's, and the run after it is bit-identical to
+    one without the pass (the first step loads masters and moments as always)."""
+    from megatrain_cli.batch import MicroBatch
+    from megatrain_cli.engine.validate import validation_loss
+
+    outcomes = []
+    for resident, scored in ((0, False), (3, False), (3, True)):
+        _, store, cfg, batches = setup()
+        engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, loss_chunk_tokens=7,
+                             resident_layers=resident, overlap_optimizer=False, kernels="torch")
+        seen = []
+        if scored:
+            load = engine.resident.load
+
+            def spy(weights_only=False):
+                load(weights_only=weights_only)
+                seen.append((weights_only, engine.resident.device_bytes()))
+
+            engine.resident.load = spy
+        val = validation_loss(engine, [MicroBatch(mb.input_ids, mb.labels) for mb in batches[0]], group=ACCUM)
+        loaded_after_pass = engine.resident.loaded
+        results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
+        engine.close()
+        outcomes.append((val, [r.losses for r in results], store))
+        if scored:
+            weights = sum(store.tiles[n].master.numel() for n in engine.resident.names) * 4  # fp32 compute
+            assert seen[0] == (True, weights), "the pass loads the weights alone"
+            assert seen[1][0] is False, "the first step loads the whole state"
+            assert not loaded_after_pass
+    (val0, losses0, store0), (val3, losses3, _), (_, losses3s, store3s) = outcomes
+    assert val3 == val0 and losses3 == losses0 == losses3s
+    for name, tile in store0.tiles.items():
+        for section in SECTIONS:
+            assert torch.equal(getattr(tile, section), getattr(store3s.tiles[name], section)), (name, section)
+
+
 def test_host_tiles_are_stale_until_synchronize():
     _, store, cfg, batches = setup()
     before = store.tiles["layers.0"].master.clone()
