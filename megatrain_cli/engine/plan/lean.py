@@ -376,9 +376,6 @@ def _choose(shape: ModelShape, seq_len: int, *, batch, grad_accum, device_budget
 
 
 def _add_notes(plan: LeanPlan) -> None:
-    if plan.seq_len > 65536:
-        plan.notes.append(f"one document per row: a packed-row mask is [T, T] ({plan.seq_len ** 2 / GiB:.0f} GiB "
-                          "as bool per row) and keeps SDPA off flash/cuDNN")
     if plan.offloaded_checkpoints:
         plan.notes.append(f"checkpoints {_ranges(plan.offload_keys)} go to pinned host memory: "
                           f"{plan.host_pinned_bytes / GiB:.1f} GiB on top of the host store; each crosses PCIe "

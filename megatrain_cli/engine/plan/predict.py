@@ -255,7 +255,7 @@ def _planned(r, adapter, device, cand_engine: dict, budget):
     variant = _variant(r, **cand_engine)
     try:
         plan = plan_step(variant, adapter, device)
-    except ValueError as err:  # a recipe no plan serves (e.g. packed rows too long for the mask)
+    except ValueError as err:  # a recipe no plan serves (e.g. a sliding window shorter than a long row)
         return None, 0, [str(err)]
     dev = plan.device_bytes
     problems = list(plan.problems)
