@@ -28,12 +28,15 @@ os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="megatrain-test-cache-")
 
 def pytest_sessionstart(session):
     """A compile lock left by a killed compile makes every in-process load of the C++ AdamW wait forever
-    (the product's runs refuse it through train/host_kernel.prepare; tests load the kernel directly):
-    stop here with the same words instead of hanging."""
-    import pytest
+    (the product's runs refuse it through train/host_kernel.prepare, naming the file to delete). A test
+    session is ours, and a compile takes about a minute, so a lock older than STALE_S is removed here,
+    with a line saying so: CI shares the build cache with earlier runs that may have been killed."""
+    import sys
 
     from megatrain_cli.train import host_kernel
 
     lock = host_kernel.compile_lock()
     if lock.exists() and host_kernel.lock_age(lock) > host_kernel.STALE_S:
-        raise pytest.UsageError(host_kernel.stale_lock_message(lock, "tests"))
+        print(f"tests: removing the stale compile lock {lock} ({host_kernel.lock_age(lock) / 60:.0f} min old)",
+              file=sys.stderr)
+        lock.unlink(missing_ok=True)
