@@ -9,6 +9,7 @@ metrics.py reduces their metrics over a step. They know nothing of streaming.
 from megatrain_cli.methods.base import (PreferenceLayout, PreferenceMethod, PreferenceMicroBatch, SequenceScores,
                                         pair_metrics)
 from megatrain_cli.methods.dpo import DPO
+from megatrain_cli.methods.grpo import GRPO, RolloutMicroBatch
 from megatrain_cli.methods.ipo import IPO
 from megatrain_cli.methods.kto import KTO
 from megatrain_cli.methods.metrics import MetricTotals
@@ -37,5 +38,5 @@ def make_method(name: str, preference=None) -> SFT | PreferenceMethod:
     return builders[name]()
 
 
-__all__ = ["DPO", "IPO", "KTO", "METHODS", "MetricTotals", "ORPO", "PAIRED", "PreferenceLayout", "PreferenceMethod",
-           "PreferenceMicroBatch", "SFT", "SequenceScores", "SimPO", "make_method", "pair_metrics"]
+__all__ = ["DPO", "GRPO", "IPO", "KTO", "METHODS", "MetricTotals", "ORPO", "PAIRED", "PreferenceLayout", "PreferenceMethod",
+           "PreferenceMicroBatch", "RolloutMicroBatch", "SFT", "SequenceScores", "SimPO", "make_method", "pair_metrics"]
