@@ -72,9 +72,10 @@ def run_policy_head(engine, h, labels, mbs, sq_norm, loss_tokens: int) -> Prefer
 
 @torch.no_grad()
 def score_tokens(engine, hidden: list, labels: list, head: HeadWeights | None = None) -> list[torch.Tensor]:
-    """Each micro-batch's per-label log-probs, [B, T] float32 aligned with its (unshifted) labels, 0 where
-    there is no label: what a forward-only pass (engine/validate.forward_passes) scores rollouts with, the
-    same `token_logps` as the training head's."""
+    """Each micro-batch's per-label log-probs from its last hidden states and its shifted labels (the step's
+    inputs' `labels`): [B, T] float32 aligned with the micro-batch's own (unshifted) labels, 0 where there is
+    no label. What a forward-only pass (engine/validate.forward_passes) scores rollouts with: the training
+    head's `token_logps`."""
     head = head if head is not None else HeadWeights(engine, grad=False)
     out = []
     for x, lab in zip(hidden, labels):
