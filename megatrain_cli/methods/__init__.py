@@ -3,9 +3,9 @@
 `sft` (the default) is the token-mean cross-entropy of the engine's head, untouched. The preference methods
 (dpo, ipo, simpo, orpo, kto) are pure functions of per-sequence log-prob sums (base.py), each in its own
 module with its formula; sequences.py maps tokens to sequences and a loss's gradient back to token weights;
-metrics.py reduces their metrics over a step. `grpo` (grpo.py) is a pure function of per-token log-probs; its
-rewards (rewards.py, not imported here) plain functions of (prompt, completion, example). They know nothing
-of streaming.
+metrics.py reduces their metrics over a step. `grpo` (grpo.py) is a pure function of per-token log-probs (its
+rewards, plain functions of (prompt, completion, example), are data/rewards.py's). They know nothing of
+streaming.
 """
 
 from megatrain_cli.methods.base import (PreferenceLayout, PreferenceMethod, PreferenceMicroBatch, SequenceScores,

@@ -22,7 +22,7 @@ import torch
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.methods import GRPO, make_method
 from megatrain_cli.methods.grpo import group_advantages
-from megatrain_cli.methods.rewards import RewardError, resolve_rewards, score
+from megatrain_cli.data.rewards import RewardError, resolve_rewards, score
 from megatrain_cli.recipe import Recipe
 from megatrain_cli.train.errors import TrainingError
 

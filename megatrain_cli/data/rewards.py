@@ -1,12 +1,13 @@
-"""GRPO's rewards: plain functions of (prompt, completion, example) -> float, summed per completion.
+"""GRPO's rewards: plain functions of (prompt, completion, example) -> float, summed per completion. Data code:
+a reward compares a completion with what the example says (data/answers.py), and knows no model.
 
 Built in: `exact_match` (1.0 when the completion's final answer, read as the eval reads it, data/answers.py
 flexible extraction and comparison, matches the example's gold answer; else 0.0) and `format` (1.0 when the
 completion states its answer after a marker, 'The answer is', '####' or \\boxed{}: the eval's strict extraction
 finds one). A user reward is `module:function` (imported at the start of the run; one that cannot be is a bad
 input, exit 2). A reward that raises, or returns NaN, an infinity or a non-number, does not stop the run: the
-completion's reward is NaN, the caller leaves its whole group out of the step (nothing is learnt from a broken
-score) and reports the problem with the example.
+completion's reward is NaN, the caller gives its whole group advantage 0 for the step (nothing is learnt from a
+broken score) and reports the problem with the example.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class RewardProblem:
     def describe(self) -> str:
         short = self.prompt if len(self.prompt) <= 60 else self.prompt[:57] + "..."
         return (f"reward {self.reward} {self.what} on example record {self.record} ({short!r}); that prompt's "
-                f"completions are left out of this step")
+                f"completions get advantage 0 this step (nothing is learnt from them)")
 
 
 def score(rewards: list[tuple[str, RewardFn]], prompt: str, completion: str,
