@@ -286,8 +286,7 @@ def _check_grpo(r: Recipe, problems: list[str]) -> None:
     if g.num_generations < 2:
         problems.append(f"grpo.num_generations: must be >= 2 (advantages are relative to the other completions of "
                         f"the same prompt), got {g.num_generations}")
-    for key in ("prompts_per_step", "max_new_tokens"):
-        _at_least(problems, f"grpo.{key}", getattr(g, key), 1)
+    _at_least(problems, "grpo.max_new_tokens", g.max_new_tokens, 1)
     if non_finite(g.temperature) or g.temperature <= 0:
         problems.append(f"grpo.temperature: must be a finite number > 0, got {g.temperature}")
     if non_finite(g.top_p) or not 0 < g.top_p <= 1:
@@ -302,10 +301,14 @@ def _check_grpo(r: Recipe, problems: list[str]) -> None:
         if not isinstance(name, str) or (name not in GRPO_REWARDS and not _module_function(name)):
             problems.append(f"grpo.rewards: {name!r} is not a reward; give exact_match, format or a Python "
                             f"function as module:function (e.g. my_rewards:length_penalty)")
-    if t.grad_accum != 1:
-        problems.append(f"train.grad_accum: train.method grpo trains each step on its own rollouts (grpo."
-                        f"prompts_per_step x grpo.num_generations, train.micro_batch_size per micro-batch); leave "
-                        f"grad_accum at 1, got {t.grad_accum}")
+    rows = t.micro_batch_size * t.grad_accum
+    if g.num_generations >= 2 and rows % g.num_generations:
+        problems.append(f"train.micro_batch_size: a GRPO step trains on train.micro_batch_size x train.grad_accum = "
+                        f"{rows} completions, not a multiple of grpo.num_generations={g.num_generations} (every "
+                        f"prompt's completions train in the same step); make it one")
+    if r.eval.every_n_steps is not None:
+        problems.append("eval.every_n_steps: train.method grpo has no validation loss; remove it (eval.enabled "
+                        "scores held-out problems by exact match at the end)")
     if fmt in PREFERENCE_FORMATS:
         problems.append(f"data.format: {fmt} is preference data; train.method grpo samples its own completions of "
                         f"prompts with a gold answer: data.format gsm8k, metamathqa, or auto (a {{prompt, answer}} "

@@ -153,9 +153,9 @@ class PreferenceConfig:
 @dataclass
 class GRPOConfig:
     num_generations: int = doc("Completions sampled per prompt each step (the group G its advantages are relative "
-                               "to); >= 2.", 8)
-    prompts_per_step: int = doc("Prompts each step samples for; the step trains on prompts_per_step x "
-                                "num_generations completions, train.micro_batch_size of them per micro-batch.", 8)
+                               "to); >= 2. A step trains on train.micro_batch_size x train.grad_accum completions "
+                               "(one per row), which must be a multiple of it: that many / G prompts a step (TRL's "
+                               "rule).", 8)
     max_new_tokens: int = doc("The longest completion, in tokens; a prompt plus it must fit train.seq_len.", 256)
     temperature: float = doc("Sampling temperature (> 0).", 1.0)
     top_p: float = doc("Nucleus sampling: the smallest set of tokens whose probability reaches top_p, in (0, 1]; "

@@ -3,7 +3,7 @@ a checkpoint keeps of them.
 
 `prepare` reads the prompts (data/rollout_prompts.py) and imports the rewards before anything is written (every
 refusal exit 2). The run then stands where the loop's training rows stand: `next_step` draws the step's prompts
-(a seeded, resumable order), samples grpo.num_generations completions of each from the weights the trainer holds
+(a seeded, resumable order; train.micro_batch_size x train.grad_accum / grpo.num_generations of them), samples grpo.num_generations completions of each from the weights the trainer holds
 now (train/rollout.py), scores them (methods/rewards.py), turns the rewards into group-relative advantages
 (methods/grpo.py) and hands back the micro-batches the engine trains on, in one backward; `state_dict` is the
 prompt order's position and the sampler generator's state, so a resumed run samples what the uninterrupted one
@@ -44,8 +44,13 @@ class GRPORun:
     def num_rows(self) -> int:
         return len(self.prompts)
 
+    @property
+    def prompts_per_step(self) -> int:
+        """train.micro_batch_size x train.grad_accum completions a step, num_generations of each prompt."""
+        return self.r.train.micro_batch_size * self.r.train.grad_accum // self.r.grpo.num_generations
+
     def steps_per_epoch(self, micro_batch_size: int, grad_accum: int) -> int:
-        return math.ceil(len(self.prompts) / self.r.grpo.prompts_per_step)
+        return math.ceil(len(self.prompts) / self.prompts_per_step)
 
     def state_dict(self) -> dict:
         state = self.bound["sampler"].generator.get_state()
@@ -61,7 +66,7 @@ class GRPORun:
 
     def describe(self) -> str:
         g = self.r.grpo
-        return (f"grpo: {len(self.prompts)} prompts, {g.prompts_per_step} per step x {g.num_generations} completions "
+        return (f"grpo: {len(self.prompts)} prompts, {self.prompts_per_step} per step x {g.num_generations} completions "
                 f"of up to {g.max_new_tokens} tokens (temperature {g.temperature}, top_p {g.top_p}), rewards "
                 f"{' + '.join(name for name, _ in self.rewards)}, epsilon {g.epsilon}, beta {g.beta}"
                 + (f"; {self.left_out}" if self.left_out else ""))
@@ -95,7 +100,7 @@ class GRPORun:
 
         b, g = self.bound, self.r.grpo
         b["engine"].synchronize()  # pending host updates land: the rollouts read this step's weights
-        picked = [self.prompts[i] for i in self.order.take(g.prompts_per_step)]
+        picked = [self.prompts[i] for i in self.order.take(self.prompts_per_step)]
         rollouts = sample(b["store"], b["device"], b["tokenizer"], [p.ids for p in picked], g.num_generations,
                           b["sampler"], max_new_tokens=g.max_new_tokens, eos_ids=b["eos"], pad_id=b["pad"],
                           stop=b["stop"])

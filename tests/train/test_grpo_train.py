@@ -19,8 +19,8 @@ from tests.train.test_faults import assert_same_checkpoint, on_step, steps_logge
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = ROOT / "recipes" / "grpo-tiny.yaml"
-FAST = ["train.steps=4", "train.seq_len=128", "train.micro_batch_size=4", "grpo.prompts_per_step=2",
-        "grpo.num_generations=3", "grpo.max_new_tokens=12", "grpo.top_p=0.9", "grpo.beta=0.05",
+FAST = ["train.steps=4", "train.seq_len=128", "train.micro_batch_size=4", "train.grad_accum=2",
+        "grpo.num_generations=4", "grpo.max_new_tokens=12", "grpo.top_p=0.9", "grpo.beta=0.05",
         "logging.dashboard=off", "checkpoint.export_final=false", "data.max_samples=40",
         "grpo.rewards=[exact_match,format,tests.train.test_grpo_train:letters]"]
 
@@ -96,22 +96,27 @@ def test_a_reward_that_raises_or_returns_nan_or_text_is_reported_and_the_run_goe
     assert "that prompt's completions get advantage 0 this step (nothing is learnt from them)" in err
     assert "Traceback" not in err
     logged = records(out)
-    assert [m["step"] for m in logged] == [1, 2] and all(m["reward_errors"] == 6 for m in logged)
+    assert [m["step"] for m in logged] == [1, 2] and all(m["reward_errors"] == 8 for m in logged)
     assert (out / "step_2").is_dir()
 
 
 def test_num_generations_below_two_is_refused_at_load():
     with pytest.raises(RecipeError) as err:
         load_recipe(GRPO, ["grpo.num_generations=1", "grpo.top_p=0", "grpo.rewards=[exact_match,nope]",
-                           "train.grad_accum=2"])
+                           "eval.every_n_steps=5"])
     assert err.value.problems == [
         "grpo.num_generations: must be >= 2 (advantages are relative to the other completions of the same prompt), "
         "got 1",
         "grpo.top_p: must be in (0, 1], got 0.0",
         "grpo.rewards: 'nope' is not a reward; give exact_match, format or a Python function as module:function "
         "(e.g. my_rewards:length_penalty)",
-        "train.grad_accum: train.method grpo trains each step on its own rollouts (grpo.prompts_per_step x "
-        "grpo.num_generations, train.micro_batch_size per micro-batch); leave grad_accum at 1, got 2"]
+        "eval.every_n_steps: train.method grpo has no validation loss; remove it (eval.enabled scores held-out "
+        "problems by exact match at the end)"]
+    with pytest.raises(RecipeError) as err:
+        load_recipe(GRPO, ["grpo.num_generations=3"])
+    assert err.value.problems == [
+        "train.micro_batch_size: a GRPO step trains on train.micro_batch_size x train.grad_accum = 16 completions, "
+        "not a multiple of grpo.num_generations=3 (every prompt's completions train in the same step); make it one"]
 
 
 def test_bad_inputs_exit_2_before_anything_is_written(tmp_path):
