@@ -95,11 +95,13 @@ def sliding_window(adapter, layer: int) -> int | None:
 class StreamedModel:
     """A HostStore's model, run for greedy generation with one decoder layer on the device at a time."""
 
-    def __init__(self, store: HostStore, device: torch.device, pin_all: bool | None = None):
+    def __init__(self, store: HostStore, device: torch.device, pin_all: bool | None = None, feed=None):
+        """`feed`: where the layers' weights come from (layer_feed.py's protocol); None: the store's masters
+        through `layer_feed` (GRPO's rollouts hand in one that reads the trainer's resident layers in place)."""
         self.store, self.adapter, self.device = store, store.adapter, device
         self.dtype = store.compute_dtype
         self.num_layers = self.adapter.num_layers
-        self.feed = layer_feed(store, device, self.dtype, pin_all)
+        self.feed = feed if feed is not None else layer_feed(store, device, self.dtype, pin_all)
         # One template per layer structure: layers run one after another, each bound to its own weights.
         by_structure: dict[str, torch.nn.Module] = {}
         for i in range(self.num_layers):

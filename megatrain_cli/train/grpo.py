@@ -103,7 +103,7 @@ class GRPORun:
         picked = [self.prompts[i] for i in self.order.take(self.prompts_per_step)]
         rollouts = sample(b["store"], b["device"], b["tokenizer"], [p.ids for p in picked], g.num_generations,
                           b["sampler"], max_new_tokens=g.max_new_tokens, eos_ids=b["eos"], pad_id=b["pad"],
-                          stop=b["stop"])
+                          stop=b["stop"], engine=b["engine"])
         t0 = time.perf_counter()
         values, errors = [], 0
         for k, text in enumerate(rollouts.texts):

@@ -2,10 +2,11 @@
 train as.
 
 Generation is the eval's streamed generator (eval/streamed.StreamedModel) over the trainer's own host store:
-its layer feed reads each layer's master where it lies (on the CPU in place; on CUDA cast through pinned
-staging each step, never pinned up front, since the weights change every step), the final norm and LM head are
-copied to the device once per call, so a rollout always sees the weights of the step before it and nothing is
-reloaded between generating and training. The caller brings pending host updates home first
+the layers the engine keeps resident on the device are read there in place (`TrainerLayerFeed`), the others
+through the eval's layer feed from their masters (on the CPU in place; on CUDA cast through pinned staging each
+step, never pinned up front, since the weights change every step); the final norm and LM head are copied to
+the device once per call. So a rollout always sees the weights of the step before it and nothing is reloaded
+between generating and training. The caller brings pending host updates home first
 (`engine.synchronize()`). Every prompt is repeated G times and all of them decode as one left-padded batch, one
 KV cache preallocated for the longest row; the next token is drawn by a generate.Sampler (temperature, top-p,
 a seeded generator whose state the checkpoint keeps).
@@ -20,6 +21,7 @@ import torch
 
 from megatrain_cli.batch import IGNORE_INDEX
 from megatrain_cli.eval.generate import Sampler, StopOnStrings, _finish, left_pad
+from megatrain_cli.eval.layer_feed import layer_feed
 from megatrain_cli.eval.streamed import StreamedModel
 from megatrain_cli.methods.grpo import RolloutMicroBatch
 
@@ -36,11 +38,46 @@ class Rollouts:
         return sum(len(c) for c in self.completion_ids)
 
 
+class TrainerLayerFeed:
+    """The eval's layer-feed protocol (eval/layer_feed.py) over the trainer's engine: a layer the engine keeps
+    resident (engine.resident_layers, once loaded) is read in place from its device weights, nothing moves;
+    every other layer comes through the eval's feed from its host master (cast in pinned staging on CUDA)."""
+
+    def __init__(self, engine, device: torch.device):
+        self.resident = engine.resident
+        self.inner = layer_feed(engine.store, device, engine.dtype, pin_all=False)
+        self.layouts = [engine.store.layouts[n] for n in engine.store.layer_names]
+        self._streamed = False  # whether the layer in use came through the inner feed
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent
+
+    def _in_place(self, layer: int) -> bool:
+        return self.resident.loaded and f"layers.{layer}" in self.resident
+
+    def get(self, layer: int) -> dict[str, torch.Tensor]:
+        self._streamed = not self._in_place(layer)
+        if self._streamed:
+            return self.inner.get(layer)
+        return self.layouts[layer].views(self.resident.weights(f"layers.{layer}"))
+
+    def prefetch(self, layer: int) -> None:
+        if not self._in_place(layer):
+            self.inner.prefetch(layer)
+
+    def release(self) -> None:
+        if self._streamed:
+            self.inner.release()
+
+
 def sample(store, device: torch.device, tokenizer, prompt_ids: list[list[int]], group: int, sampler: Sampler, *,
-           max_new_tokens: int, eos_ids: list[int], pad_id: int, stop: list[str]) -> Rollouts:
-    """`group` completions of every prompt, from the masters in `store` now."""
+           max_new_tokens: int, eos_ids: list[int], pad_id: int, stop: list[str], engine=None) -> Rollouts:
+    """`group` completions of every prompt, from the masters in `store` now (`engine`: the trainer's, whose
+    resident layers are then read in place on the device)."""
     t0 = time.perf_counter()
-    model = StreamedModel(store, device, pin_all=False)
+    feed = TrainerLayerFeed(engine, device) if engine is not None else None
+    model = StreamedModel(store, device, pin_all=False, feed=feed)
     repeated = [ids for ids in prompt_ids for _ in range(group)]
     input_ids, mask = left_pad(repeated, pad_id)
     criteria = [StopOnStrings(tokenizer, stop, input_ids.shape[1])] if stop else []

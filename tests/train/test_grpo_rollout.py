@@ -133,3 +133,34 @@ def test_the_prompt_order_resumes_where_it_stopped():
     assert b.take(6) == a.take(6)
     with pytest.raises(DataError, match="written over 5 GRPO prompts, this data has 4"):
         PromptOrder(4, seed=3).load_state_dict(a.state_dict())
+
+
+def test_resident_layers_are_read_in_place_and_sample_what_the_masters_would():
+    """A trainer keeping layer 0 (and the head) on the device: the rollout reads layer 0's device weights, the
+    rest from the host masters, and samples exactly what a feed of the (synchronised) masters alone does."""
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+    from megatrain_cli.recipe import TrainConfig
+    from megatrain_cli.train.rollout import sample
+    from tests.engines import make_engine
+    from tests.reference import random_batches, tiny_config
+
+    tok = load_bundled_tokenizer()
+    store = build_store(tiny_config(vocab=len(tok), layers=2), torch.float32, seed=3)
+    engine = make_engine(store, TrainConfig(steps=1, lr=1e-2), device="cpu", resident_layers=1,
+                         overlap_optimizer=False)
+    engine.step(random_batches(len(tok), 1, 1, 2, 16)[0], 1e-2)  # the resident layer moves on the device
+    engine.synchronize()  # what GRPO's next_step does first: the masters home
+    read = []
+    weights = engine.resident.weights
+    engine.resident.weights = lambda tile: read.append(tile) or weights(tile)
+    prompts = [tok("Question: 2 + 2?\nAnswer: ")["input_ids"]]
+
+    def run(**kw):
+        return sample(store, torch.device("cpu"), tok, prompts, 4, Sampler(1.0, 1.0, torch.Generator().manual_seed(0)),
+                      max_new_tokens=5, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, stop=[], **kw)
+
+    in_place = run(engine=engine)
+    assert read and set(read) == {"layers.0"}
+    assert in_place.completion_ids == run().completion_ids
+    engine.close()
