@@ -99,7 +99,8 @@ class GRPORun:
         from megatrain_cli.train.rollout import rollout_rows, sample
 
         b, g = self.bound, self.r.grpo
-        b["engine"].synchronize()  # pending host updates land: the rollouts read this step's weights
+        # Pending host updates land; resident layers and head stay on the device and are read there in place
+        b["engine"].synchronize(masters=False)
         picked = [self.prompts[i] for i in self.order.take(self.prompts_per_step)]
         rollouts = sample(b["store"], b["device"], b["tokenizer"], [p.ids for p in picked], g.num_generations,
                           b["sampler"], max_new_tokens=g.max_new_tokens, eos_ids=b["eos"], pad_id=b["pad"],

@@ -5,8 +5,9 @@ Generation is the eval's streamed generator (eval/streamed.StreamedModel) over t
 the layers the engine keeps resident on the device are read there in place (`TrainerLayerFeed`), the others
 through the eval's layer feed from their masters (on the CPU in place; on CUDA cast through pinned staging each
 step, never pinned up front, since the weights change every step); the final norm and LM head are copied to
-the device once per call. So a rollout always sees the weights of the step before it and nothing is reloaded
-between generating and training. The caller brings pending host updates home first
+the device once per call, or read in place too when the head is resident. So a rollout always sees the weights
+of the step before it and nothing is reloaded between generating and training. The caller lands pending host
+updates first (`engine.synchronize(masters=False)`): the resident state stays on the device, not copied home. The caller brings pending host updates home first
 (`engine.synchronize()`). Every prompt is repeated G times and all of them decode as one left-padded batch, one
 KV cache preallocated for the longest row; the next token is drawn by a generate.Sampler (temperature, top-p,
 a seeded generator whose state the checkpoint keeps).
@@ -46,6 +47,7 @@ class TrainerLayerFeed:
     def __init__(self, engine, device: torch.device):
         self.resident = engine.resident
         self.inner = layer_feed(engine.store, device, engine.dtype, pin_all=False)
+        self.store = engine.store
         self.layouts = [engine.store.layouts[n] for n in engine.store.layer_names]
         self._streamed = False  # whether the layer in use came through the inner feed
 
@@ -70,6 +72,13 @@ class TrainerLayerFeed:
         if self._streamed:
             self.inner.release()
 
+    def head(self) -> dict[str, torch.Tensor] | None:
+        """The head tile's device weights (final norm, untied LM head) when the engine keeps it resident (with
+        any resident layer), else None: the host master is then current."""
+        if not (self.resident.loaded and "head" in self.resident):
+            return None
+        return self.store.layouts["head"].views(self.resident.weights("head"))
+
 
 def sample(store, device: torch.device, tokenizer, prompt_ids: list[list[int]], group: int, sampler: Sampler, *,
            max_new_tokens: int, eos_ids: list[int], pad_id: int, stop: list[str], engine=None) -> Rollouts:
@@ -78,6 +87,11 @@ def sample(store, device: torch.device, tokenizer, prompt_ids: list[list[int]], 
     t0 = time.perf_counter()
     feed = TrainerLayerFeed(engine, device) if engine is not None else None
     model = StreamedModel(store, device, pin_all=False, feed=feed)
+    head = feed.head() if feed is not None else None
+    if head is not None:  # the resident head's weights, current on the device (its host master is not)
+        model.norm_weights = {k.removeprefix("norm."): v for k, v in head.items() if k.startswith("norm.")}
+        if not store.adapter.tied:
+            model.lm_weight = head["lm_head.weight"]
     repeated = [ids for ids in prompt_ids for _ in range(group)]
     input_ids, mask = left_pad(repeated, pad_id)
     criteria = [StopOnStrings(tokenizer, stop, input_ids.shape[1])] if stop else []

@@ -136,8 +136,9 @@ def test_the_prompt_order_resumes_where_it_stopped():
 
 
 def test_resident_layers_are_read_in_place_and_sample_what_the_masters_would():
-    """A trainer keeping layer 0 (and the head) on the device: the rollout reads layer 0's device weights, the
-    rest from the host masters, and samples exactly what a feed of the (synchronised) masters alone does."""
+    """A trainer keeping layer 0 (and the head) on the device: the rollout reads their device weights in place
+    (their host masters stale), the rest from the host masters, and samples exactly what a feed of the masters
+    alone does once they are brought home."""
     from megatrain_cli.models.loader import build_store
     from megatrain_cli.models.tokenizer import load_bundled_tokenizer
     from megatrain_cli.recipe import TrainConfig
@@ -150,8 +151,8 @@ def test_resident_layers_are_read_in_place_and_sample_what_the_masters_would():
     engine = make_engine(store, TrainConfig(steps=1, lr=1e-2), device="cpu", resident_layers=1,
                          overlap_optimizer=False)
     engine.step(random_batches(len(tok), 1, 1, 2, 16)[0], 1e-2)  # the resident layer moves on the device
-    engine.synchronize()  # what GRPO's next_step does first: the masters home
-    read = []
+    engine.synchronize(masters=False)  # what GRPO's next_step does first: the host masters of layer 0 and the
+    read = []  # head stay behind
     weights = engine.resident.weights
     engine.resident.weights = lambda tile: read.append(tile) or weights(tile)
     prompts = [tok("Question: 2 + 2?\nAnswer: ")["input_ids"]]
@@ -161,6 +162,8 @@ def test_resident_layers_are_read_in_place_and_sample_what_the_masters_would():
                       max_new_tokens=5, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, stop=[], **kw)
 
     in_place = run(engine=engine)
-    assert read and set(read) == {"layers.0"}
-    assert in_place.completion_ids == run().completion_ids
+    assert read and set(read) == {"layers.0", "head"}
+    stale = run()  # the host masters of layer 0 and the head are the step's start: other samples
+    engine.synchronize()  # the masters home: now a feed of the masters alone samples what the rollout did
+    assert in_place.completion_ids == run().completion_ids != stale.completion_ids
     engine.close()
