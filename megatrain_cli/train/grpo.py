@@ -13,6 +13,7 @@ would. With grpo.beta > 0 each step's completions are also scored by the initial
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -168,6 +169,15 @@ def prepare(r: Recipe, tokenizer, dist=None) -> GRPORun:
         order = PromptOrder(len(prompts), t.seed)
     except DataError as err:
         raise TrainingError(str(err), 2) from None
+    if r.eval.enabled:  # the end-of-training eval reads the data as `megatrain eval` does: known now, not after
+        from megatrain_cli.data.load import load_examples
+
+        try:
+            load_examples(dataclasses.replace(r.data, max_samples=1))
+        except DataError as err:
+            raise TrainingError(f"eval.enabled: the end-of-training eval cannot read the data ({err}); set "
+                                f"eval.enabled=false and evaluate final/ with `megatrain eval` on data it reads", 2) \
+                from None
     left = [f"{no_answer} without a gold answer"] if no_answer else []
     if too_long:
         left.append(f"{too_long} prompts longer than train.seq_len - grpo.max_new_tokens = {room} tokens")

@@ -141,10 +141,15 @@ def test_bad_inputs_exit_2_before_anything_is_written(tmp_path):
             f"compares with") in " ".join(run(f"data.source={plain}").split())
 
 
-def test_a_prompt_answer_file_trains(tmp_path):
+def test_a_prompt_answer_file_trains_and_an_end_eval_that_cannot_read_it_is_refused(tmp_path, capsys):
     data = tmp_path / "qa.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"What is {i} + {i}?", "answer": str(2 * i)}) + "\n"
                             for i in range(12)))
     out = tmp_path / "run"
     assert run_training(recipe(out, f"data.source={data}", "train.steps=1", "grpo.beta=0")) == 0
     assert [m["step"] for m in records(out)] == [1]
+    again = tmp_path / "again"
+    assert run_training(recipe(again, f"data.source={data}", "train.steps=1", "eval.enabled=true",
+                               "checkpoint.export_final=true")) == 2
+    assert not again.exists()
+    assert "error: eval.enabled: the end-of-training eval cannot read the data (" in capsys.readouterr().err
