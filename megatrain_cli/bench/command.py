@@ -69,7 +69,11 @@ def bench_one(r, run: BenchRun, baselines: list, *, as_json: bool, output: Path 
                                        warmup=run.warmup_steps(False), log=_err, timeout_s=540))
     dashboard = "off" if as_json else r.logging.dashboard
     try:
-        if r.train.method != "sft":  # the method's step, SFT's on the same tokens, the reference pass
+        if r.train.method == "grpo":  # rollouts and the training step on them, with the step's split
+            from megatrain_cli.bench.grpo import run_grpo_bench
+
+            results = run_grpo_bench(r, run, planned=planned, log=_err)
+        elif r.train.method != "sft":  # the method's step, SFT's on the same tokens, the reference pass
             from megatrain_cli.bench.preference import run_preference_bench
 
             results = run_preference_bench(r, run, planned=planned, log=_err, dashboard=dashboard)

@@ -19,6 +19,7 @@ from megatrain_cli.engine.inputs import embed_output_grad, step_inputs
 from megatrain_cli.engine.embed_backward import embed_backward
 from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.head import run_head
+from megatrain_cli.engine.policy_head import run_policy_head
 from megatrain_cli.engine.preference_head import run_preference_head
 from megatrain_cli.engine.plan.lean import LeanPlan
 from megatrain_cli.engine.rebuild import StepCheckpoints
@@ -30,7 +31,7 @@ from megatrain_cli.engine.lean_layers import SDPA_BACKENDS, sdpa_backend_context
 from megatrain_cli.engine.transfer import make_transfers
 from megatrain_cli.engine.transfer.updates import NO_UPDATES
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
-from megatrain_cli.methods import SFT, MetricTotals, PreferenceMethod
+from megatrain_cli.methods import GRPO, SFT, MetricTotals, PreferenceMethod
 from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
 from megatrain_cli.store.sharded import ShardedHostStore
@@ -54,7 +55,7 @@ class Engine:
     """
 
     def __init__(self, store: HostStore, plan: StepPlan, settings: EngineConfig, train: TrainConfig, *,
-                 device: torch.device, dist: DistContext | None = None, method: SFT | PreferenceMethod | None = None):
+                 device: torch.device, dist: DistContext | None = None, method: SFT | PreferenceMethod | GRPO | None = None):
         if settings.sdpa not in SDPA_BACKENDS:
             raise ValueError(f"unknown SDPA backend {settings.sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
         if dist is not None and not isinstance(store, ShardedHostStore):
@@ -287,8 +288,10 @@ class Engine:
                         if self.worker is not None:  # the forward has every weight it needs: the last
                             self.worker.release_moments()  # step's deferred moments may use the host now
                         ckpt.prefetch_first()  # comes back while the head computes
-                        if isinstance(self.method, PreferenceMethod):
-                            pref = run_preference_head(self, h, labels, mbs, sq_norm)
+                        if isinstance(self.method, (PreferenceMethod, GRPO)):
+                            pref = run_preference_head(self, h, labels, mbs, sq_norm) if isinstance(
+                                self.method, PreferenceMethod) else run_policy_head(self, h, labels, mbs, sq_norm,
+                                                                                    n_loss_tokens)
                             grads_out, losses, head_grad, units = pref.grads_out, pref.losses, pref.tied_grad, pref.units
                         else:
                             grads_out, losses, head_grad = run_head(self, h, labels, norm_scale, sq_norm)

@@ -1,4 +1,5 @@
-"""Batched greedy generation for exact-match eval: left padding, stop at eos or at a stop string.
+"""Batched greedy generation for exact-match eval: left padding, stop at eos or at a stop string; and the
+sampler GRPO's rollouts draw their tokens with (`Sampler`: temperature, top-p, a seeded generator).
 
 One batch runs either on an HF model that sits whole on one device (`hf_greedy_batch`: HF
 `generate`) or on a `streamed.StreamedModel`, whose weights stay in host memory and stream to the
@@ -34,6 +35,34 @@ class StopOnStrings:
         new = input_ids[:, self.prompt_len:]
         tails = self.tokenizer.batch_decode(new[:, -self.tail:], skip_special_tokens=True)
         return torch.tensor([any(s in t for s in self.stop) for t in tails], device=input_ids.device)
+
+
+class Sampler:
+    """Temperature / nucleus (top-p) sampling of the next token, drawn from a seeded `torch.Generator` on the
+    logits' device (its state is what a GRPO checkpoint saves, so a resumed run draws the same tokens).
+
+    top-p keeps the most probable tokens up to and including the first whose cumulative probability reaches
+    `top_p` (HF's TopPLogitsWarper keeps the same set), then renormalises; 1.0 keeps every token."""
+
+    def __init__(self, temperature: float, top_p: float, generator: torch.Generator):
+        if temperature <= 0 or not 0 < top_p <= 1:
+            raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1], got {temperature}, {top_p}")
+        self.temperature, self.top_p, self.generator = temperature, top_p, generator
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        """[B, V] logits -> [B] sampled ids."""
+        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        if self.top_p < 1.0:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            before = sorted_p.cumsum(-1) - sorted_p  # the mass of the more probable tokens
+            sorted_p = torch.where(before < self.top_p, sorted_p, torch.zeros((), device=probs.device))
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[B, V] logits -> [B] the most probable ids (the eval's decoding)."""
+    return logits.float().argmax(-1)
 
 
 def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from megatrain_cli.engine.templates import run_bound
-from megatrain_cli.eval.generate import stopping_rules
+from megatrain_cli.eval.generate import greedy, stopping_rules
 from megatrain_cli.eval.layer_feed import layer_feed
 from megatrain_cli.store.tiles import HostStore
 
@@ -95,11 +95,13 @@ def sliding_window(adapter, layer: int) -> int | None:
 class StreamedModel:
     """A HostStore's model, run for greedy generation with one decoder layer on the device at a time."""
 
-    def __init__(self, store: HostStore, device: torch.device, pin_all: bool | None = None):
+    def __init__(self, store: HostStore, device: torch.device, pin_all: bool | None = None, feed=None):
+        """`feed`: where the layers' weights come from (layer_feed.py's protocol); None: the store's masters
+        through `layer_feed` (GRPO's rollouts hand in one that reads the trainer's resident layers in place)."""
         self.store, self.adapter, self.device = store, store.adapter, device
         self.dtype = store.compute_dtype
         self.num_layers = self.adapter.num_layers
-        self.feed = layer_feed(store, device, self.dtype, pin_all)
+        self.feed = feed if feed is not None else layer_feed(store, device, self.dtype, pin_all)
         # One template per layer structure: layers run one after another, each bound to its own weights.
         by_structure: dict[str, torch.nn.Module] = {}
         for i in range(self.num_layers):
@@ -129,6 +131,13 @@ class StreamedModel:
                      eos_ids: list[int], pad_id: int, stop_criteria: list) -> torch.Tensor:
         """New ids for one left-padded batch (on the host), rows that ended early filled with pad ids:
         the same contract, and the same ids, as `generate.hf_greedy_batch`."""
+        return self.decode_batch(input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                 pad_id=pad_id, stop_criteria=stop_criteria, pick=greedy)
+
+    def decode_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
+                     eos_ids: list[int], pad_id: int, stop_criteria: list, pick) -> torch.Tensor:
+        """greedy_batch's decoding with the next ids chosen by `pick` ([B, V] logits -> [B] ids: `greedy`, or a
+        generate.Sampler for GRPO's rollouts)."""
         batch, width = input_ids.shape
         done_rule = stopping_rules(eos_ids, stop_criteria)
         # The last new token is never fed back, so the cache needs width + max_new_tokens - 1 columns.
@@ -147,7 +156,7 @@ class StreamedModel:
             hidden = self._layers(hidden, positions, key_mask[:, :q_start + q_len], q_start, padded, caches,
                                   prefetch_next_step=step + 1 < max_new_tokens)
             logits = F.linear(run_bound(self.norm_template, self.norm_weights, hidden[:, -1:]), self.lm_weight)
-            next_ids = logits[:, -1].float().argmax(-1)
+            next_ids = pick(logits[:, -1])
             next_ids = torch.where(unfinished, next_ids, torch.full_like(next_ids, pad_id))
             sequences = torch.cat([sequences, next_ids[:, None]], dim=1)
             unfinished &= ~done_rule(sequences, None)

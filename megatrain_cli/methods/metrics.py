@@ -13,7 +13,7 @@ import torch
 
 # Every metric a method reports, in the order the ranks all-reduce them.
 NAMES = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
-         "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl")
+         "logps/rejected", "nll_loss", "log_odds_ratio", "log_odds_chosen", "kl", "clip_ratio")
 
 
 class MetricTotals:

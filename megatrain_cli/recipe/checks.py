@@ -156,7 +156,7 @@ def _check_outputs(r: Recipe, problems: list[str]) -> None:
     _at_least(problems, "eval.max_new_tokens", ev.max_new_tokens, 1)
     _at_least(problems, "eval.every_n_steps", ev.every_n_steps, 1, nullable=True)
     _at_least(problems, "eval.val_batches", ev.val_batches, 1)
-    if ev.enabled and not c.export_final and r.train.method == "sft":  # a preference eval scores in the engine
+    if ev.enabled and not c.export_final and r.train.method in ("sft", "grpo"):  # a preference eval scores in the engine
         problems.append("eval.enabled: the end-of-training eval reads output_dir/final/, which "
                         "checkpoint.export_final=false does not write; set checkpoint.export_final=true or "
                         "eval.enabled=false")
@@ -230,7 +230,7 @@ def _check_data(r: Recipe, problems: list[str]) -> None:
 # The preference settings each method reads (the others, set, are refused rather than ignored).
 PREFERENCE_KEYS = {"sft": (), "dpo": ("beta", "label_smoothing"), "ipo": ("beta",),
                    "simpo": ("beta", "simpo_gamma", "label_smoothing"), "orpo": ("orpo_lambda",),
-                   "kto": ("beta", "desirable_weight", "undesirable_weight")}
+                   "kto": ("beta", "desirable_weight", "undesirable_weight"), "grpo": ()}
 SFT_FORMATS = ("metamathqa", "gsm8k", "alpaca", "messages")
 PREFERENCE_FORMATS = ("preference", "unpaired_preference")
 
@@ -261,7 +261,9 @@ def _check_preference(r: Recipe, problems: list[str]) -> None:
             else:
                 problems.append(f"preference.{key}: train.method {method} does not read it (only "
                                 f"{', '.join(users)}); remove it")
-    if method == "sft" and fmt in PREFERENCE_FORMATS:
+    if method == "grpo":
+        _check_grpo(r, problems)
+    elif method == "sft" and fmt in PREFERENCE_FORMATS:
         methods = "kto" if fmt == "unpaired_preference" else "dpo, ipo, simpo, orpo or kto"
         problems.append(f"data.format: {fmt} is preference data, which train.method sft (the default) does not "
                         f"read; set train.method to {methods}")
@@ -273,3 +275,46 @@ def _check_preference(r: Recipe, problems: list[str]) -> None:
     elif method not in ("sft", "kto") and fmt == "unpaired_preference":
         problems.append(f"data.format: unpaired_preference (single completions labelled good or bad) trains with "
                         f"train.method kto only; {method} needs pairs (data.format preference)")
+
+
+GRPO_REWARDS = ("exact_match", "format")
+
+
+def _check_grpo(r: Recipe, problems: list[str]) -> None:
+    """train.method grpo: its section's values, and data with gold answers (docs/grpo.md)."""
+    g, t, fmt = r.grpo, r.train, r.data.format
+    if g.num_generations < 2:
+        problems.append(f"grpo.num_generations: must be >= 2 (advantages are relative to the other completions of "
+                        f"the same prompt), got {g.num_generations}")
+    _at_least(problems, "grpo.max_new_tokens", g.max_new_tokens, 1)
+    if non_finite(g.temperature) or g.temperature <= 0:
+        problems.append(f"grpo.temperature: must be a finite number > 0, got {g.temperature}")
+    if non_finite(g.top_p) or not 0 < g.top_p <= 1:
+        problems.append(f"grpo.top_p: must be in (0, 1], got {g.top_p}")
+    if non_finite(g.epsilon) or g.epsilon <= 0:
+        problems.append(f"grpo.epsilon: must be a finite number > 0, got {g.epsilon}")
+    if non_finite(g.beta) or g.beta < 0:
+        problems.append(f"grpo.beta: must be a finite number >= 0 (0: no KL term), got {g.beta}")
+    if not g.rewards:
+        problems.append("grpo.rewards: empty; name at least one reward: exact_match, format or module:function")
+    for name in g.rewards:
+        if not isinstance(name, str) or (name not in GRPO_REWARDS and not _module_function(name)):
+            problems.append(f"grpo.rewards: {name!r} is not a reward; give exact_match, format or a Python "
+                            f"function as module:function (e.g. my_rewards:length_penalty)")
+    rows = t.micro_batch_size * t.grad_accum
+    if g.num_generations >= 2 and rows % g.num_generations:
+        problems.append(f"train.micro_batch_size: a GRPO step trains on train.micro_batch_size x train.grad_accum = "
+                        f"{rows} completions, not a multiple of grpo.num_generations={g.num_generations} (every "
+                        f"prompt's completions train in the same step); make it one")
+    if r.eval.every_n_steps is not None:
+        problems.append("eval.every_n_steps: train.method grpo has no validation loss; remove it (eval.enabled "
+                        "scores held-out problems by exact match at the end)")
+    if fmt in PREFERENCE_FORMATS:
+        problems.append(f"data.format: {fmt} is preference data; train.method grpo samples its own completions of "
+                        f"prompts with a gold answer: data.format gsm8k, metamathqa, or auto (a {{prompt, answer}} "
+                        f"file too)")
+
+
+def _module_function(name: str) -> bool:
+    module, _, function = name.partition(":")
+    return bool(module.strip()) and function.isidentifier()

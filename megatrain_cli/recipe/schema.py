@@ -120,11 +120,13 @@ class TrainConfig:
         "rates (measured: docs/precision.md). It also turns off engine.speculate_optimizer (a rounded weight "
         "cannot be corrected exactly): every update waits for the step's gradient norm. Needs model.dtype bf16; "
         "a checkpoint resumes only with the setting it was written with.", "fp32")
-    method: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto"] = doc(
+    method: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"] = doc(
         "What the loss is: 'sft' the token-mean cross-entropy on the replies; the preference methods train on "
         "preference data (data.format preference / unpaired_preference) with the loss averaged over pairs (KTO: "
         "examples): 'dpo' (with a reference), 'ipo' (reference, per-token means), 'simpo' and 'orpo' (no "
-        "reference), 'kto' (reference, unpaired labelled examples). Their settings: the preference section.",
+        "reference), 'kto' (reference, unpaired labelled examples). Their settings: the preference section. "
+        "'grpo': online RL on prompts with a gold answer, completions sampled from the weights being trained and "
+        "scored by rewards (the grpo section; docs/grpo.md).",
         "sft")
 
 
@@ -146,6 +148,28 @@ class PreferenceConfig:
         "Cache of the reference's per-sequence log-probs (keyed by the data, tokenizer, template and model "
         "files), reused by a rerun or a resume: 'auto' (the user's cache directory: "
         "~/.cache/megatrain/reference), a directory, or off.", "auto")
+
+
+@dataclass
+class GRPOConfig:
+    num_generations: int = doc("Completions sampled per prompt each step (the group G its advantages are relative "
+                               "to); >= 2. A step trains on train.micro_batch_size x train.grad_accum completions "
+                               "(one per row), which must be a multiple of it: that many / G prompts a step (TRL's "
+                               "rule).", 8)
+    max_new_tokens: int = doc("The longest completion, in tokens; a prompt plus it must fit train.seq_len.", 256)
+    temperature: float = doc("Sampling temperature (> 0).", 1.0)
+    top_p: float = doc("Nucleus sampling: the smallest set of tokens whose probability reaches top_p, in (0, 1]; "
+                       "1 samples from the whole distribution.", 1.0)
+    epsilon: float = doc("The ratio clip of the objective: min(r A, clip(r, 1 - epsilon, 1 + epsilon) A) (TRL's "
+                         "GRPOConfig.epsilon).", 0.2)
+    beta: float = doc("The weight of the KL term to the initial policy (k3 estimator); 0 (TRL's default) runs no "
+                      "reference pass. > 0: the initial weights' log-probs of every completion, from a streamed pass "
+                      "over a host copy of them (4 bytes/param more host memory, no second copy on the device).",
+                      0.0)
+    rewards: list = doc("Rewards, summed: 'exact_match' (1 when the completion's final answer, as the eval reads it, "
+                        "matches the example's gold answer), 'format' (1 when the answer is after a marker: 'The "
+                        "answer is', '####', \\boxed{}), or 'module:function' (a Python function of (prompt, "
+                        "completion, example) -> float, imported at start).", factory=lambda: ["exact_match"])
 
 
 @dataclass
@@ -282,6 +306,8 @@ class Recipe:
     train: TrainConfig = doc("Optimisation.", factory=TrainConfig)
     preference: PreferenceConfig = doc("The preference methods' hyper-parameters (train.method; TRL's names and "
                                        "defaults).", factory=PreferenceConfig)
+    grpo: GRPOConfig = doc("GRPO's settings (train.method grpo): sampling, the objective, the rewards.",
+                           factory=GRPOConfig)
     engine: EngineConfig = doc("How layers stream.", factory=EngineConfig)
     checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
     logging: LoggingConfig = doc("Metrics and the live view.", factory=LoggingConfig)

@@ -61,13 +61,17 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         print(plan.render())
         if dist is None and not plan.problems:
             print(describe(pred))
-        if r.train.method != "sft":
+        if r.train.method not in ("sft", "grpo"):
             print(method_lines(r, adapter, device, plan))
         if plan.problems:
             print("(`megatrain train --force` runs it anyway)")
         return 3 if plan.problems else 0
-    pref = None
-    if r.train.method != "sft":  # the pairs read, checked and tokenised whole before anything is written
+    pref = grpo = None
+    if r.train.method == "grpo":  # the prompts read and the rewards imported before anything is written
+        from megatrain_cli.train.grpo import prepare as prepare_grpo
+
+        grpo = prepare_grpo(r, tokenizer, dist)
+    elif r.train.method != "sft":  # the pairs read, checked and tokenised whole before anything is written
         from megatrain_cli.train.preference import prepare
 
         pref = prepare(r, tokenizer)
@@ -78,10 +82,10 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         from megatrain_cli.train.rank import start_rank
 
         dist = start_rank(dist, r, device, plan.lean)
-    return _loop(r, device, tokenizer, config, plan, dist=dist, pred=pred, pref=pref)
+    return _loop(r, device, tokenizer, config, plan, dist=dist, pred=pred, pref=pref, grpo=grpo)
 
 
-def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref=None) -> int:
+def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref=None, grpo=None) -> int:
     """The run itself, with output_dir locked by its lead process (train/lock.py): a second writer is
     refused, a crashed one's lock taken over."""
     from megatrain_cli.train.lock import OutputLock
@@ -91,7 +95,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref
     watch = StopWatch(r.train.max_wall_time)  # a bad value is refused here, before anything is written
     out = Path(r.output_dir)
     # The data and the checkpoint to resume, each refused when it cannot be right: before anything is written.
-    data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out, pref)
+    data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out, pref, grpo)
     made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if the run writes nothing
     out.mkdir(parents=True, exist_ok=True)
     lock, problem = OutputLock(out), None
@@ -109,7 +113,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref
         if problem:
             raise TrainingError(problem, 2)
         return _run(r, device, config, plan, dist, lead, out, watch, pred, tokenizer, data, held_out, total,
-                    candidates, pref)
+                    candidates, pref, grpo)
     finally:
         lock.release()
         for d in made:  # the folders this run made, when it wrote nothing in them (a refusal): gone again
@@ -119,7 +123,7 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref
                 break
 
 
-def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path, pref=None):
+def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path, pref=None, grpo=None):
     """(training rows, held-out rows or None, the run's last step, the checkpoints to resume from): read
     and checked before output_dir is touched. What the data leaves out (nothing to learn) is said here."""
     from megatrain_cli.train import resume
@@ -127,6 +131,8 @@ def _inputs(r: Recipe, tokenizer, dist, lead: bool, out: Path, pref=None):
     t = r.train
     if pref is not None:  # a preference method's pairs, read and checked by train/preference.py
         data, held_out = pref.data, None
+    elif grpo is not None:  # GRPO's rows are its rollouts, sampled step by step (train/grpo.py)
+        data, held_out = grpo, None
     else:
         data, held_out = _supervised(r, tokenizer, dist, lead)
     total = t.steps if t.steps is not None else max(1, round(t.epochs * data.steps_per_epoch(t.micro_batch_size,
@@ -156,7 +162,7 @@ def _supervised(r: Recipe, tokenizer, dist, lead: bool):
 
 
 def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pred, tokenizer, data, held_out,
-         total: int, candidates, pref=None) -> int:
+         total: int, candidates, pref=None, grpo=None) -> int:
     from megatrain_cli.checkpoint import CheckpointWriteError, save_checkpoint
     from megatrain_cli.dashboard import Dashboard
     from megatrain_cli.metrics.flops import attention_pairs
@@ -175,7 +181,10 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
     host_kernel.prepare(r.engine.host_adamw, log=(lambda line: print(line, file=sys.stderr)) if lead else
                         (lambda _line: None))
     store = build_store(r, config, dist)
-    engine = build_engine(r, store, plan, device, dist, method=pref.method if pref is not None else None)
+    method = pref.method if pref is not None else grpo.method if grpo is not None else None
+    engine = build_engine(r, store, plan, device, dist, method=method)
+    if grpo is not None:  # the sampler, and the initial weights' copy for the KL term: before a resume loads
+        grpo.bind(engine, store, device, tokenizer, lambda m: print(m, file=sys.stderr) if lead else None, plan)
     # Pin the offloaded checkpoints' host buffers now, not inside the first forward (0 on CPU).
     pinned = engine.reserve_checkpoint_buffers([(t.micro_batch_size, t.seq_len)] * t.grad_accum)
     if pref is not None:  # over the initial weights: before a resume loads a checkpoint
@@ -228,6 +237,9 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                          f"held-out rows of {t.seq_len} tokens")
             if pref is not None:
                 dash.log(pref.describe(t.seq_len, r.data.packing))
+            if grpo is not None:
+                dash.log(grpo.describe())
+                grpo.log = lambda m: _say(dash, lead, m)
             if dist is None:
                 dash.log(describe(pred))
             if long_ctx is not None:
@@ -248,6 +260,8 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                     pref.attach(mbs)  # each micro-batch's share of the reference's scores
                 lr = lr_at(step, t, total)
                 res = engine.step(mbs, lr)
+                if grpo is not None:  # rollout figures and the step's split (generate / score / train)
+                    res.metrics.update(grpo.step_metrics(res))
                 skips.count(step, res.skipped, res.loss, res.grad_norm)  # a diverged run stops here (exit 1)
                 validate = held_out is not None and held_out.due(step + 1, total) or \
                     pref is not None and pref.held_out is not None and due(r.eval.every_n_steps, step + 1, total)
@@ -295,6 +309,8 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                          f"after step {total}: {metrics_line(loss, metrics)} ({where})")
     finally:
         engine.close()
+        if grpo is not None:
+            grpo.close()
         for log in logs:
             log.close()
     if r.eval.enabled and r.checkpoint.export_final and lead and pref is None:

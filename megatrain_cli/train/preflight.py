@@ -94,7 +94,7 @@ def check_data(r: Recipe) -> None:
     cfg = r.data
     # A preference method's pairs are read whole and tokenised before anything is written (train/preference.py);
     # its eval scores held-out pairs, not gold answers: here its first records, in its format.
-    preference = r.train.method != "sft"
+    preference = r.train.method not in ("sft", "grpo")
     if not r.eval.enabled or preference:
         cfg = dataclasses.replace(cfg, max_samples=min(cfg.max_samples or DATA_SAMPLE, DATA_SAMPLE))
     try:
@@ -102,6 +102,10 @@ def check_data(r: Recipe) -> None:
             from megatrain_cli.data.preference import load_preference_examples
 
             examples = load_preference_examples(cfg, r.train.method)
+        elif r.train.method == "grpo":  # prompts with gold answers: a {prompt, answer} file too
+            from megatrain_cli.data.rollout_prompts import load_prompt_examples
+
+            examples = load_prompt_examples(cfg)
         else:
             examples = load_examples(cfg)
     except ValueError as err:  # the data itself, not the eval: training would fail on it too

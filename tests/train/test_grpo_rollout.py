@@ -1,0 +1,169 @@
+"""GRPO's pieces below the loop: the sampler (temperature, top-p, a seeded generator), rollouts that read the
+trainer's store as it is now, the rows they train as, the built-in rewards, and the prompts' order and data."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from megatrain_cli.batch import IGNORE_INDEX
+from megatrain_cli.data.errors import DataError
+from megatrain_cli.data.rewards import RewardError, exact_match, format_reward, resolve_rewards, score
+from megatrain_cli.data.rollout_prompts import PromptOrder, encode_prompts, load_prompt_examples, usable
+from megatrain_cli.eval.generate import Sampler
+from megatrain_cli.recipe import DataConfig
+
+
+def draws(sampler: Sampler, logits: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.stack([sampler(logits) for _ in range(n)])
+
+
+def test_top_p_keeps_the_nucleus_and_renormalises():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    sampler = Sampler(1.0, 0.7, torch.Generator().manual_seed(0))
+    got = draws(sampler, probs.log().expand(4000, 4), 1).reshape(-1)
+    assert set(got.tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.5 + 0.3: the nucleus is the first two tokens
+    assert (got == 0).double().mean().item() == pytest.approx(0.5 / 0.8, abs=0.03)
+    everything = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))(probs.log().expand(4000, 4))
+    assert set(everything.tolist()) == {0, 1, 2, 3}
+
+
+def test_temperature_sharpens_and_the_seed_repeats():
+    logits = torch.tensor([[2.0, 1.0, 0.0]]).expand(4000, 3)
+    cold = Sampler(0.25, 1.0, torch.Generator().manual_seed(1))(logits)
+    expected = torch.softmax(torch.tensor([2.0, 1.0, 0.0]) / 0.25, 0)[0].item()
+    assert (cold == 0).double().mean().item() == pytest.approx(expected, abs=0.02)
+    a, b = (Sampler(1.0, 0.9, torch.Generator().manual_seed(5))(logits) for _ in range(2))
+    assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="temperature > 0 and top_p in"):
+        Sampler(0.0, 1.0, torch.Generator())
+
+
+def test_rollouts_read_the_store_as_it_is_now_and_become_rows():
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+    from megatrain_cli.train.rollout import rollout_rows, sample
+    from tests.reference import tiny_config
+
+    tok = load_bundled_tokenizer()
+    store = build_store(tiny_config(vocab=len(tok), layers=2), torch.float32, seed=3)
+    prompts = [tok("Question: 2 + 2?\nAnswer: ")["input_ids"], tok("Question: 10 - 3?\nAnswer: ")["input_ids"]]
+
+    def run(seed):
+        return sample(store, torch.device("cpu"), tok, prompts, 3, Sampler(1.0, 1.0, torch.Generator().manual_seed(seed)),
+                      max_new_tokens=6, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, stop=[])
+
+    first = run(0)
+    assert first.completion_ids == run(0).completion_ids  # the same weights and seed: the same completions
+    assert first.prompt_ids == [prompts[0]] * 3 + [prompts[1]] * 3 and len(first.texts) == 6
+    assert all(1 <= len(c) <= 6 for c in first.completion_ids) and first.new_tokens > 0
+    store.tiles["head"].master.mul_(3.0)  # what a step does to the masters: the next rollout samples from them
+    assert run(0).completion_ids != first.completion_ids
+
+    adv = torch.tensor([[1.0, -1.0, 0.5], [0.0, 2.0, -2.0]])
+    mbs = rollout_rows(first, adv, 4, tok.pad_token_id)
+    assert [mb.input_ids.shape[0] for mb in mbs] == [4, 2]
+    rows = [(mb, i) for mb in mbs for i in range(mb.input_ids.shape[0])]
+    for k, (mb, i) in enumerate(rows):
+        p, c = first.prompt_ids[k], first.completion_ids[k]
+        assert mb.input_ids[i, :len(p) + len(c)].tolist() == p + c
+        labelled = mb.labels[i] != IGNORE_INDEX
+        assert mb.labels[i][labelled].tolist() == c and labelled.nonzero()[0].item() == len(p)
+        assert mb.advantages[i][labelled].tolist() == [adv.reshape(-1)[k].item()] * len(c)
+        assert not mb.advantages[i][~labelled].any()
+
+
+class _Ex:
+    def __init__(self, answer, record=0):
+        self.answer, self.record = answer, record
+
+
+def test_built_in_rewards_read_answers_as_the_eval_does():
+    assert exact_match("q", "3 + 4 = 7 apples.\nThe answer is: 7", _Ex("7")) == 1.0
+    assert exact_match("q", "so 1,200 in all", _Ex("1200")) == 1.0  # flexible: the last number, normalised
+    assert exact_match("q", "The answer is 8", _Ex("7")) == 0.0
+    assert format_reward("q", "#### 12", _Ex("7")) == 1.0 and format_reward("q", "it is 12", _Ex("12")) == 0.0
+    total, problems = score(resolve_rewards(["exact_match", "format"]), "q", "The answer is: 7", _Ex("7"))
+    assert (total, problems) == (2.0, [])
+
+
+def test_a_reward_that_cannot_be_imported_is_named(tmp_path, monkeypatch):
+    (tmp_path / "broken_rewards.py").write_text("raise RuntimeError('at import')\nvalue = 3\n")
+    (tmp_path / "some_rewards.py").write_text("value = 3\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RewardError, match=r"^grpo.rewards: 'some_rewards:nope': module 'some_rewards' has no 'nope'$"):
+        resolve_rewards(["some_rewards:nope"])
+    with pytest.raises(RewardError, match=r"^grpo.rewards: 'some_rewards:value' is a int, not a function of "):
+        resolve_rewards(["some_rewards:value"])
+    with pytest.raises(RewardError, match=r"^grpo.rewards: 'broken_rewards:f': importing 'broken_rewards' failed: "
+                                          r"RuntimeError: at import$"):
+        resolve_rewards(["broken_rewards:f"])
+    total, problems = score([("inf", lambda p, c, e: math.inf)], "a long prompt " * 10, "x", _Ex("1", record=4))
+    assert math.isnan(total) and problems[0].describe().startswith(
+        "reward inf returned inf on example record 4 ('a long prompt a long prompt a long prompt a long prompt "
+        "a...'); that prompt's completions get advantage 0 this step")
+
+
+def test_prompt_answer_files_gold_answers_and_too_long_prompts(tmp_path):
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+
+    path = tmp_path / "qa.jsonl"
+    path.write_text(json.dumps({"prompt": "What is 2 + 3?", "answer": 5}) + "\n" +
+                    json.dumps({"prompt": "Spell cat " * 40, "answer": "cat"}) + "\n")
+    examples = load_prompt_examples(DataConfig(source=str(path), cache_dir="off"))
+    assert [(ex.prompt, ex.answer, ex.record) for ex in examples][0] == ("What is 2 + 3?", "5", 0)
+    prompts, too_long = encode_prompts(examples, load_bundled_tokenizer(), DataConfig(), 64)
+    assert too_long == 1 and prompts[0].text == "Question: What is 2 + 3?\nAnswer: "
+    gsm = load_prompt_examples(DataConfig(source="builtin:sample_math", max_samples=3))
+    assert all(ex.answer for ex in gsm)  # 'The answer is: N' read as the gold answer
+    assert usable(gsm, "x", need_answers=True) == (gsm, 0)
+    with pytest.raises(DataError, match=r"^x: no example has a gold answer"):
+        usable([type(gsm[0])("p", "r", None)], "x", need_answers=True)
+
+
+def test_the_prompt_order_resumes_where_it_stopped():
+    a = PromptOrder(5, seed=3)
+    first = a.take(7)  # into the second epoch
+    assert sorted(first[:5]) == [0, 1, 2, 3, 4]
+    b = PromptOrder(5, seed=3)
+    b.load_state_dict(a.state_dict())
+    assert b.take(6) == a.take(6)
+    with pytest.raises(DataError, match="written over 5 GRPO prompts, this data has 4"):
+        PromptOrder(4, seed=3).load_state_dict(a.state_dict())
+
+
+def test_resident_layers_are_read_in_place_and_sample_what_the_masters_would():
+    """A trainer keeping layer 0 (and the head) on the device: the rollout reads their device weights in place
+    (their host masters stale), the rest from the host masters, and samples exactly what a feed of the masters
+    alone does once they are brought home."""
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+    from megatrain_cli.recipe import TrainConfig
+    from megatrain_cli.train.rollout import sample
+    from tests.engines import make_engine
+    from tests.reference import random_batches, tiny_config
+
+    tok = load_bundled_tokenizer()
+    store = build_store(tiny_config(vocab=len(tok), layers=2), torch.float32, seed=3)
+    engine = make_engine(store, TrainConfig(steps=1, lr=1e-2), device="cpu", resident_layers=1,
+                         overlap_optimizer=False)
+    engine.step(random_batches(len(tok), 1, 1, 2, 16)[0], 1e-2)  # the resident layer moves on the device
+    engine.synchronize(masters=False)  # what GRPO's next_step does first: the host masters of layer 0 and the
+    read = []  # head stay behind
+    weights = engine.resident.weights
+    engine.resident.weights = lambda tile: read.append(tile) or weights(tile)
+    prompts = [tok("Question: 2 + 2?\nAnswer: ")["input_ids"]]
+
+    def run(**kw):
+        return sample(store, torch.device("cpu"), tok, prompts, 4, Sampler(1.0, 1.0, torch.Generator().manual_seed(0)),
+                      max_new_tokens=5, eos_ids=[tok.eos_token_id], pad_id=tok.pad_token_id, stop=[], **kw)
+
+    in_place = run(engine=engine)
+    assert read and set(read) == {"layers.0", "head"}
+    stale = run()  # the host masters of layer 0 and the head are the step's start: other samples
+    engine.synchronize()  # the masters home: now a feed of the masters alone samples what the rollout did
+    assert in_place.completion_ids == run().completion_ids != stale.completion_ids
+    engine.close()
