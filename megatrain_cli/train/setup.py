@@ -56,9 +56,10 @@ def build_store(r: Recipe, config, dist=None):
 
     dtype, master = DTYPES[r.model.dtype], MASTER_DTYPES[r.train.master_weights]
     if dist is None:
-        return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed, master_dtype=master)
+        return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed, master_dtype=master,
+                           moments=r.train.optimizer_state)
     return build_sharded_store(config, dtype, dist.rank, dist.world, weights_path=r.model.path, seed=r.model.seed,
-                               cpu_group=dist.cpu_group, master_dtype=master)
+                               cpu_group=dist.cpu_group, master_dtype=master, moments=r.train.optimizer_state)
 
 
 def lean_allocator(device: torch.device) -> str:
