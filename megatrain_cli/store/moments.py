@@ -129,26 +129,34 @@ def _block_range(lo: int, hi: int) -> slice:
     return slice(lo // BLOCK, block_count(hi))
 
 
-def read_moments(tile, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Elements [lo, hi) of the tile's m and v as new fp32 tensors (lo on a block boundary for int8)."""
+def read_moment(tile, section: str, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+    """Elements [lo, hi) of the tile's `section` ('exp_avg' or 'exp_avg_sq') as a new fp32 tensor (lo on a
+    block boundary for int8)."""
     hi = tile.exp_avg.numel() if hi is None else hi
-    m, v = tile.exp_avg[lo:hi], tile.exp_avg_sq[lo:hi]
+    codes = getattr(tile, section)[lo:hi]
     if tile.moments != "int8":
-        return m.to(torch.float32, copy=True), v.to(torch.float32, copy=True)
-    b = _block_range(lo, hi)
-    t = decode_int8(v, tile.exp_avg_sq_exp[b])
-    return decode_int8(m, tile.exp_avg_exp[b]), t * t
+        return codes.to(torch.float32, copy=True)
+    t = decode_int8(codes, getattr(tile, section + "_exp")[_block_range(lo, hi)])
+    return t * t if section == "exp_avg_sq" else t
+
+
+def write_moment(tile, section: str, x: torch.Tensor, lo: int = 0) -> None:
+    """Store fp32 `x` as elements [lo, lo + numel) of the tile's `section`, rounded to nearest (bf16) or coded
+    (int8; lo on a block boundary, the range ends on one or at the tile's end): loading a checkpoint, or
+    converting one written with another optimizer_state."""
+    hi = lo + x.numel()
+    dst = getattr(tile, section)[lo:hi]
+    if tile.moments != "int8":
+        dst.copy_(x)
+        return
+    encode_int8(sqrt_rn(x) if section == "exp_avg_sq" else x, dst, getattr(tile, section + "_exp")[_block_range(lo, hi)])
+
+
+def read_moments(tile, lo: int = 0, hi: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Elements [lo, hi) of the tile's m and v as new fp32 tensors."""
+    return read_moment(tile, "exp_avg", lo, hi), read_moment(tile, "exp_avg_sq", lo, hi)
 
 
 def write_moments(tile, m: torch.Tensor, v: torch.Tensor, lo: int = 0) -> None:
-    """Store fp32 m, v as elements [lo, lo + numel) of the tile's moments, rounded to nearest (bf16) or
-    coded (int8; lo on a block boundary, the range ends on one or at the tile's end): loading a checkpoint,
-    or converting one written with another optimizer_state."""
-    hi = lo + m.numel()
-    if tile.moments != "int8":
-        tile.exp_avg[lo:hi].copy_(m)
-        tile.exp_avg_sq[lo:hi].copy_(v)
-        return
-    b = _block_range(lo, hi)
-    encode_int8(m, tile.exp_avg[lo:hi], tile.exp_avg_exp[b])
-    encode_int8(sqrt_rn(v), tile.exp_avg_sq[lo:hi], tile.exp_avg_sq_exp[b])
+    write_moment(tile, "exp_avg", m, lo)
+    write_moment(tile, "exp_avg_sq", v, lo)
