@@ -66,6 +66,7 @@ import torch
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_cpp.cpp")
 STATE_SOURCE = os.path.join(os.path.dirname(SOURCE), "adamw_state.cpp")  # bf16 / int8 moments
 
+
 def _name() -> str:
     """The extension's name, with a hash of its sources: builds of other versions (other checkouts on the
     machine) live in other cache directories instead of rebuilding, and racing to load, one another's."""
@@ -75,6 +76,8 @@ def _name() -> str:
             h.update(f.read())
     return f"megatrain_host_adamw_{h.hexdigest()[:12]}"
 
+
+_NAME = _name()  # train/host_kernel.py finds the build's lock by it
 _lock = threading.Lock()
 _module = None
 _error: Exception | None = None
@@ -103,7 +106,7 @@ def load():
         t0 = time.perf_counter()
         try:
             _module = load_extension(
-                name=_name(), sources=[SOURCE, STATE_SOURCE],
+                name=_NAME, sources=[SOURCE, STATE_SOURCE],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                 extra_ldflags=_gomp_flags(), verbose=False)
         except Exception as e:  # compiler missing, ninja missing, build error
