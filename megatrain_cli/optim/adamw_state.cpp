@@ -1,8 +1,8 @@
 // The host AdamW over bf16 or int8 moments (train.optimizer_state): one pass over a tile, block by block.
 // Each 64-element block's moments are decoded into local fp32 buffers, updated with the formula of
 // state_adamw.py (the same fp32 operations in the same order: no FMA, -ffp-contract=off), the weight
-// stored, and the moments coded back (bf16: stochastic rounding from a counter hash; int8: e4m3 codes
-// with a power-of-two scale per block). What the formats are and why: store/moments.py.
+// stored, and the moments coded back, rounded stochastically from a counter hash (int8: e4m3 codes with a
+// power-of-two scale per block). What the formats are and why: store/moments.py.
 // Vector code: AVX2 over whole blocks (e4m3 decoded and coded by integer ops, the random bits by vector
 // multiplies), decoding in registers, chosen at run time as adamw_cpp.cpp does; scalar C++ elsewhere and
 // for a tile's short last block. The same IEEE operations without contraction give the same bits in both.
@@ -33,18 +33,16 @@ inline uint32_t mix32(uint32_t x) {  // store/moments.mix32
   x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
 }
 
-// fp32 -> e4m3fn bits, round to nearest even, for |x| <= 448 (c10's conversion without its saturation
-// branch, which a coded block never reaches), branch-free so it vectorises.
-inline uint8_t to_e4m3(float x) {
-  uint32_t u = bits_of(x);
+// e4m3fn bits of |y| <= 448, rounded stochastically by 20 random bits r (store/moments.stochastic_e4m3): above
+// e4m3's subnormals the dropped mantissa bits plus r carry into the kept 3; below, floor(|y| 2^9 + r 2^-20).
+inline uint8_t to_e4m3_sr(float y, uint32_t r) {
+  uint32_t u = bits_of(y);
   const uint32_t sign = u & 0x80000000u;
   u ^= sign;
-  const uint32_t denorm_mask = 141u << 23;  // 2^14 as fp32: adding it rounds a subnormal e4m3 into place
-  const uint32_t sub = bits_of(float_of(u) + float_of(denorm_mask)) - denorm_mask;
-  const uint32_t odd = (u >> 20) & 1u;
-  const uint32_t norm = (u + ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + odd) >> 20;
-  const uint32_t r = u < (121u << 23) ? sub : norm;
-  return uint8_t(r | (sign >> 24));
+  r &= 0xFFFFFu;
+  const uint32_t sub = uint32_t(int32_t(float_of(u) * 512.0f + float(r) * (1.0f / 1048576.0f)));
+  const uint32_t norm = ((u + r) >> 20) - (120u << 3);
+  return uint8_t((u < (121u << 23) ? sub : norm) | (sign >> 24));
 }
 
 struct Table {  // e4m3fn code -> fp32 (c10's conversion, as torch's .float())
@@ -81,11 +79,12 @@ struct BlockArgs {
 };
 
 // ---------------------------------------------------------------- scalar (any CPU; a tile's short last block)
-inline void code_scalar(uint8_t* out, int8_t* exp, const float* x, int64_t n, float absmax) {
+inline void code_scalar(uint8_t* out, int8_t* exp, const float* x, int64_t n, float absmax, uint32_t key,
+                        uint32_t first) {
   const int e = block_exponent(absmax);
   *exp = int8_t(e);
   const float inv = std::ldexp(1.0f, -e);  // exact scaling: a power of two
-  for (int64_t i = 0; i < n; ++i) out[i] = to_e4m3(x[i] * inv);
+  for (int64_t i = 0; i < n; ++i) out[i] = to_e4m3_sr(x[i] * inv, mix32(key ^ (first + uint32_t(i))));
 }
 
 template <typename P, typename G>
@@ -118,8 +117,9 @@ void block_scalar(P* p, const G* gp, int64_t lo, int64_t n, const BlockArgs& a, 
     amax_s = std::max(amax_s, s);
   }
   if (a.int8) {
-    code_scalar(static_cast<uint8_t*>(a.m) + lo, a.me + b, mb, n, amax_m);
-    code_scalar(static_cast<uint8_t*>(a.v) + lo, a.ve + b, sb, n, amax_s);
+    const uint32_t at = a.origin + uint32_t(lo);
+    code_scalar(static_cast<uint8_t*>(a.m) + lo, a.me + b, mb, n, amax_m, a.key_m, at);
+    code_scalar(static_cast<uint8_t*>(a.v) + lo, a.ve + b, sb, n, amax_s, a.key_v, at);
     return;
   }
   for (int64_t i = 0; i < n; ++i) {  // stochastic rounding: the magnitude carries, the sign bit is untouched
@@ -154,21 +154,19 @@ MT_AVX2 inline __m256i mix32x8(__m256i x) {
   x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int(0x846CA68Bu)));
   return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
 }
-MT_AVX2 inline void store_e4m3x8(uint8_t* out, __m256 x) {  // to_e4m3, lane by lane
-  __m256i u = _mm256_castps_si256(x);
+MT_AVX2 inline void store_e4m3x8(uint8_t* out, __m256 y, __m256i r) {  // to_e4m3_sr, lane by lane
+  __m256i u = _mm256_castps_si256(y);
   const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(int(0x80000000u)));
   u = _mm256_xor_si256(u, sign);
-  const __m256i dm = _mm256_set1_epi32(141 << 23);
-  const __m256i sub = _mm256_sub_epi32(
-      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(u), _mm256_castsi256_ps(dm))), dm);
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 20), _mm256_set1_epi32(1));
-  const __m256i norm = _mm256_srli_epi32(_mm256_add_epi32(
-      _mm256_add_epi32(u, _mm256_set1_epi32(int(((uint32_t)(7 - 127) << 23) + 0x7FFFFu))), odd), 20);
-  __m256i r = _mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), u));
-  r = _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+  r = _mm256_and_si256(r, _mm256_set1_epi32(0xFFFFF));
+  const __m256i sub = _mm256_cvttps_epi32(_mm256_add_ps(_mm256_mul_ps(_mm256_castsi256_ps(u), _mm256_set1_ps(512.0f)),
+                                                        _mm256_mul_ps(_mm256_cvtepi32_ps(r), _mm256_set1_ps(1.0f / 1048576.0f))));
+  const __m256i norm = _mm256_sub_epi32(_mm256_srli_epi32(_mm256_add_epi32(u, r), 20), _mm256_set1_epi32(120 << 3));
+  __m256i c = _mm256_blendv_epi8(norm, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), u));
+  c = _mm256_or_si256(c, _mm256_srli_epi32(sign, 24));
   const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                         0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
-  const __m256i t = _mm256_shuffle_epi8(r, pick);
+  const __m256i t = _mm256_shuffle_epi8(c, pick);
   _mm_storel_epi64((__m128i*)out, _mm_unpacklo_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1)));
 }
 MT_AVX2 inline float hmax8(__m256 x) {
@@ -177,11 +175,15 @@ MT_AVX2 inline float hmax8(__m256 x) {
   h = _mm_max_ss(h, _mm_shuffle_ps(h, h, 1));
   return _mm_cvtss_f32(h);
 }
-MT_AVX2 inline void code_avx2(uint8_t* out, int8_t* exp, const float* x, float absmax) {
+MT_AVX2 inline void code_avx2(uint8_t* out, int8_t* exp, const float* x, float absmax, uint32_t key, uint32_t first) {
   const int e = block_exponent(absmax);
   *exp = int8_t(e);
   const __m256 inv = _mm256_set1_ps(std::ldexp(1.0f, -e));
-  for (int64_t i = 0; i < kBlock; i += 8) store_e4m3x8(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv));
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), k = _mm256_set1_epi32(int(key));
+  for (int64_t i = 0; i < kBlock; i += 8) {
+    const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(int(first + uint32_t(i))), lane);
+    store_e4m3x8(out + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), inv), mix32x8(_mm256_xor_si256(k, at)));
+  }
 }
 
 MT_AVX2 inline __m256 decode_e4m3x8(const uint8_t* q) {  // arithmetically: the table's values, no gather
@@ -244,8 +246,9 @@ MT_AVX2 void block_avx2(P* p, const G* gp, int64_t lo, const BlockArgs& a, const
     }
   }
   if (a.int8) {
-    code_avx2(static_cast<uint8_t*>(a.m) + lo, a.me + b, mb, hmax8(amax_m));
-    code_avx2(static_cast<uint8_t*>(a.v) + lo, a.ve + b, sb, hmax8(amax_s));
+    const uint32_t at = a.origin + uint32_t(lo);
+    code_avx2(static_cast<uint8_t*>(a.m) + lo, a.me + b, mb, hmax8(amax_m), a.key_m, at);
+    code_avx2(static_cast<uint8_t*>(a.v) + lo, a.ve + b, sb, hmax8(amax_s), a.key_v, at);
   }
 }
 

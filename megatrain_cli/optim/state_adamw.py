@@ -13,8 +13,8 @@ torch's elementwise ops round each op):
     p = p + (-lr / bc1 * m) / (sqrt(v) / sqrt(bc2) + eps)
 
 (sqrt rounded correctly: store.moments.sqrt_rn), with m, v decoded from their format first and coded back
-after (bf16: stochastic rounding; int8: sqrt(v) and m coded per block), and the scalars formed in double and rounded to fp32 as make_consts does. The
-update itself uses the new m and v before they are coded, as 8-bit Adam does. Not torch's fused AdamW
+after, rounded stochastically (int8: m and sqrt(v) coded per block), and the scalars formed in double and
+rounded to fp32 as make_consts does. The update itself uses the new m and v before they are coded, as 8-bit Adam does. Not torch's fused AdamW
 (whose lerp and FMAs are tied to its build): the fp32 setting keeps that one.
 """
 
@@ -103,5 +103,5 @@ def update_state(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
             exp_avg[lo:hi].copy_(stochastic_bf16(m, key_m, origin + lo))
             exp_avg_sq[lo:hi].copy_(stochastic_bf16(v, key_v, origin + lo))
         else:
-            encode_int8(m, exp_avg[lo:hi], exp_avg_exp[b])
-            encode_int8(root, exp_avg_sq[lo:hi], exp_avg_sq_exp[b])
+            encode_int8(m, exp_avg[lo:hi], exp_avg_exp[b], key_m, origin + lo)
+            encode_int8(root, exp_avg_sq[lo:hi], exp_avg_sq_exp[b], key_v, origin + lo)

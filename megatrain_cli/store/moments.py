@@ -11,7 +11,9 @@ sections mean, and the torch codec between them and fp32 (docs/precision.md, "Op
   int8  8-bit codes (1 + 1 bytes) in blocks of BLOCK elements, each block scaled by a power of two (one
         int8 exponent per block and moment: 1/64 byte/param). The code is an fp8 e4m3 number (torch's
         float8_e4m3fn): a dynamic, exponent-and-mantissa map as bitsandbytes' 8-bit Adam uses, here
-        computed rather than looked up. m is coded as it is; the second moment as sqrt(v), which halves
+        computed rather than looked up, and written back by the update with stochastic rounding as bf16 is
+        (3 mantissa bits: v's 0.1% a step would otherwise never move a code; measured, a noisy quadratic's
+        sqrt(v) froze at half its value). m is coded as it is; the second moment as sqrt(v), which halves
         the dynamic range a block must span (2^17 in sqrt(v) = 2^35 in v, from the block's largest down),
         and sqrt(v) is what the update divides by. A linear int8 code of sqrt(v) would round small entries
         of a block to 0, and a step of m / (0 + eps) with them; e4m3 keeps 3 mantissa bits at every scale.
@@ -105,14 +107,31 @@ def _pow2(e: torch.Tensor) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32))
 
 
-def encode_int8(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor) -> None:
-    """Code fp32 `x` (a whole number of blocks, the last one possibly short) into `codes` and `exps`."""
+def stochastic_e4m3(y: torch.Tensor, key: int, first: int) -> torch.Tensor:
+    """fp32 `y` (|y| <= 448) -> e4m3 codes rounded stochastically with 20 random bits, mix32(key ^ (first + i)):
+    above e4m3's subnormals the 20 dropped mantissa bits plus the random ones carry into the kept 3; below,
+    floor(y * 2^9 + r / 2^20), in units of the subnormal step 2^-9."""
+    idx = torch.arange(first, first + y.numel(), dtype=torch.int64, device=y.device)
+    r = mix32_tensor(idx ^ key) & 0xFFFFF
+    bits = y.contiguous().view(torch.int32)
+    u = bits.to(torch.int64) & 0x7FFFFFFF
+    sub = (u.to(torch.int32).view(torch.float32) * 512.0 + r.to(torch.float32) * 2.0 ** -20).to(torch.int64)
+    norm = ((u + r) >> 20) - (120 << 3)
+    code = torch.where(u < (121 << 23), sub, norm) | ((bits < 0).to(torch.int64) << 7)
+    return code.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def encode_int8(x: torch.Tensor, codes: torch.Tensor, exps: torch.Tensor, key: int | None = None,
+                first: int = 0) -> None:
+    """Code fp32 `x` (a whole number of blocks, the last one possibly short) into `codes` and `exps`: rounded
+    to nearest (key None: loading, converting), or stochastically (an update: stochastic_e4m3)."""
     n = x.numel()
     pad = block_count(n) * BLOCK - n
     blocks = torch.nn.functional.pad(x, (0, pad)).view(-1, BLOCK)
     e = block_exponents(blocks.abs().amax(dim=1))
     exps.copy_(e)
-    codes.copy_((blocks * _pow2(-e.to(torch.int32))[:, None]).reshape(-1)[:n].to(torch.float8_e4m3fn))
+    y = (blocks * _pow2(-e.to(torch.int32))[:, None]).reshape(-1)[:n]
+    codes.copy_(y.to(torch.float8_e4m3fn) if key is None else stochastic_e4m3(y, key, first))
 
 
 def decode_int8(codes: torch.Tensor, exps: torch.Tensor) -> torch.Tensor:

@@ -38,16 +38,26 @@ def ref_stochastic_bf16(x: torch.Tensor, key: int, first: int) -> torch.Tensor:
     return torch.from_numpy((bits & np.uint32(0xFFFF0000)).view(np.float32)).to(torch.bfloat16)
 
 
-def ref_code(x: torch.Tensor, block: int = 64):
-    """e4m3 codes scaled by 2^e per block, e the least with absmax <= 448 * 2^e."""
+def ref_code(x: torch.Tensor, key: int | None = None, block: int = 64):
+    """e4m3 codes scaled by 2^-e per block, e the least with absmax <= 448 * 2^e; rounded to nearest (torch's
+    cast) or, with a key, stochastically: 20 random bits mix32(key ^ i) added below the kept mantissa (in the
+    subnormals: floor(|y| * 512 + r / 2^20))."""
     n = x.numel()
     blocks = torch.nn.functional.pad(x, (0, -n % block)).view(-1, block)
     absmax = blocks.abs().amax(1).double()
     e = torch.where(absmax > 0, torch.ceil(torch.log2(absmax / 448)), torch.full_like(absmax, -9.0))
     e = e - (absmax <= 448 * 2.0 ** (e - 1)).double() + (absmax > 448 * 2.0 ** e).double()  # log2's rounding
     e = e.clamp(-126, 127)
-    codes = (blocks * (2.0 ** -e)[:, None].float()).reshape(-1)[:n].to(torch.float8_e4m3fn)
-    return codes, e.to(torch.int8)
+    y = (blocks * (2.0 ** -e)[:, None].float()).reshape(-1)[:n]
+    if key is None:
+        return y.to(torch.float8_e4m3fn), e.to(torch.int8)
+    r = ref_mix32(np.arange(n, dtype=np.uint32) ^ np.uint32(key)) & np.uint32(0xFFFFF)
+    bits = y.numpy().view(np.uint32)
+    u = bits & np.uint32(0x7FFFFFFF)
+    sub = (u.view(np.float32) * np.float32(512) + r.astype(np.float32) * np.float32(2.0 ** -20)).astype(np.uint32)
+    norm = ((u + r) >> np.uint32(20)) - np.uint32(960)
+    code = np.where(u < np.uint32(121 << 23), sub, norm) | ((bits >> np.uint32(31)) << np.uint32(7))
+    return torch.from_numpy(code.astype(np.uint8)).view(torch.float8_e4m3fn), e.to(torch.int8)
 
 
 def ref_decode(codes: torch.Tensor, e: torch.Tensor, block: int = 64) -> torch.Tensor:
@@ -81,8 +91,8 @@ def ref_update(t: dict, g: torch.Tensor, *, step: int, lr: float, clip: float, d
         t["m"] = ref_stochastic_bf16(m, sr_key(seed, name, step, 0), 0)
         t["v"] = ref_stochastic_bf16(v, sr_key(seed, name, step, 1), 0)
     else:
-        t["m"], t["me"] = ref_code(m)
-        t["v"], t["ve"] = ref_code(root)
+        t["m"], t["me"] = ref_code(m, sr_key(seed, name, step, 0))
+        t["v"], t["ve"] = ref_code(root, sr_key(seed, name, step, 1))
 
 
 # ---------------------------------------------------------------- helpers
@@ -189,12 +199,12 @@ def test_decode_then_code_keeps_the_values(moments):
     assert torch.equal(m, m2) and torch.equal(v, v2)
 
 
-@pytest.mark.parametrize("moments", ["bf16", "int8"])
-def test_near_fp32_adamw(moments):
-    """300 steps on noisy gradients of a quadratic (lr 1e-2, noise 0.5). bf16: the weights' distance from the
-    fp32-moment run, over how far that run moved, is under 1% (measured 0.24%). int8: the runs part at the
-    noise's scale (measured 14%), so the bound is on the loss: no worse than fp32's (measured 0.0037 against
-    0.0162; a toy, not the real-model comparison docs/precision.md leaves to be measured)."""
+@pytest.mark.parametrize("moments,bound", [("bf16", 0.01), ("int8", 0.05)])
+def test_near_fp32_adamw(moments, bound):
+    """300 steps on noisy gradients of a quadratic (lr 1e-2, noise 0.5): the weights' distance from the
+    fp32-moment run, over how far that run moved, stays under `bound` (measured 0.24% for bf16, 3.4% for
+    int8), and the second moment tracks fp32's (mean sqrt(v) within 2%; measured +0.03%, +0.5%). Without
+    stochastic rounding int8's sqrt(v) froze at half its value (v moves 0.1% a step, under half a code step)."""
     n, steps = 4096, 300
     target = torch.randn(n, generator=torch.Generator().manual_seed(3))
     fp32 = make_tile(n, n, "fp32", torch.float32, torch.float32)
@@ -208,9 +218,7 @@ def test_near_fp32_adamw(moments):
         for tile, opt in ((fp32, opt32), (low, optq)):
             tile.grad.copy_(tile.master - target + noise)
             opt.update(tile, 1e-2)
-    if moments == "bf16":
-        gap = (low.master - fp32.master).norm() / (fp32.master - start).norm()
-        assert gap < 0.01, f"{gap:.4f}"
-    else:
-        loss = {k: 0.5 * ((t.master - target) ** 2).mean().item() for k, t in (("fp32", fp32), ("int8", low))}
-        assert loss["int8"] <= loss["fp32"], loss
+    gap = (low.master - fp32.master).norm() / (fp32.master - start).norm()
+    assert gap < bound, f"{moments}: {gap:.4f}"
+    roots = [read_moments(t)[1].sqrt().mean().item() for t in (fp32, low)]
+    assert roots[1] == pytest.approx(roots[0], rel=0.02), roots
