@@ -162,6 +162,16 @@ def _device_figures(plan: MemoryPlan, store: HostStore, width: int, *, micro_bat
         plan.device["recomputed block activations (estimate)"] = recomputed
 
 
+def host_state_line(adapter: ModelAdapter, compute_dtype: torch.dtype, master_dtype: torch.dtype,
+                    moments: str) -> str:
+    """One line of the host tiles' size (`megatrain plan`; `train --dry-run` itemises them)."""
+    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments)
+    total, n = store.host_bytes(), store.num_params()
+    master = "bf16" if master_dtype == torch.bfloat16 else "fp32"
+    return (f"host state: {total / GiB:.1f} GiB of tiles, {total / n:.2f} bytes/param (train.master_weights={master}, "
+            f"train.optimizer_state={moments}); `train --dry-run` itemises them with the pinned buffers")
+
+
 def resident_device_bytes(store: HostStore, n: int, width: int) -> int:
     """Device bytes of the first n layers and the head kept resident (engine/resident.py), with its fp32
     scratch for widening a bf16 master or gradient; 0 for n = 0."""
