@@ -104,7 +104,8 @@ def block_exponents(absmax: torch.Tensor) -> torch.Tensor:
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
-    return torch.ldexp(torch.ones_like(e, dtype=torch.float32), e.to(torch.int32))
+    """2^e (e in [-126, 127]) built from its bits: exact on every device (a pow need not be)."""
+    return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
 def stochastic_e4m3(y: torch.Tensor, key: int, first: int) -> torch.Tensor:
