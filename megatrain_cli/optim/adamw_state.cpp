@@ -51,12 +51,12 @@ struct Table {  // e4m3fn code -> fp32 (c10's conversion, as torch's .float())
 };
 const Table& table() { static const Table t; return t; }
 
-// The least e with absmax <= 448 * 2^e, clamped to [-126, 127] (store/moments.block_exponents).
+// The least e with absmax <= 448 * 2^e, clamped to [-126, 126] (store/moments.block_exponents).
 inline int block_exponent(float absmax) {
   int ex;
   const float mant = std::frexp(absmax, &ex);
   int e = ex - 9 + (mant > 0.875f ? 1 : 0);
-  return e < -126 ? -126 : (e > 127 ? 127 : e);
+  return e < -126 ? -126 : (e > 126 ? 126 : e);
 }
 
 inline float bf16_float(uint16_t b) { return float_of(uint32_t(b) << 16); }

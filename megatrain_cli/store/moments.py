@@ -97,14 +97,14 @@ def stochastic_bf16(x: torch.Tensor, key: int, first: int) -> torch.Tensor:
 
 # ---------------------------------------------------------------- int8: e4m3 codes in power-of-two blocks
 def block_exponents(absmax: torch.Tensor) -> torch.Tensor:
-    """Per block, the least e with absmax <= 448 * 2^e (448 = 0.875 * 2^9), clamped to [-126, 127]
+    """Per block, the least e with absmax <= 448 * 2^e (448 = 0.875 * 2^9), clamped to [-126, 126]
     so 2^e and 2^-e are normal fp32 numbers (an all-zero block: any e; -9)."""
     mant, ex = torch.frexp(absmax)
-    return (ex - 9 + (mant > 0.875).to(ex.dtype)).clamp_(-126, 127).to(torch.int8)
+    return (ex - 9 + (mant > 0.875).to(ex.dtype)).clamp_(-126, 126).to(torch.int8)
 
 
 def _pow2(e: torch.Tensor) -> torch.Tensor:
-    """2^e (e in [-126, 127]) built from its bits: exact on every device (a pow need not be)."""
+    """2^e (e in [-126, 126]) built from its bits: exact on every device (a pow need not be)."""
     return ((e.to(torch.int32) + 127) << 23).view(torch.float32)
 
 

@@ -47,7 +47,7 @@ def ref_code(x: torch.Tensor, key: int | None = None, block: int = 64):
     absmax = blocks.abs().amax(1).double()
     e = torch.where(absmax > 0, torch.ceil(torch.log2(absmax / 448)), torch.full_like(absmax, -9.0))
     e = e - (absmax <= 448 * 2.0 ** (e - 1)).double() + (absmax > 448 * 2.0 ** e).double()  # log2's rounding
-    e = e.clamp(-126, 127)
+    e = e.clamp(-126, 126)
     y = (blocks * (2.0 ** -e)[:, None].float()).reshape(-1)[:n]
     if key is None:
         return y.to(torch.float8_e4m3fn), e.to(torch.int8)
