@@ -79,6 +79,10 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
                           log=progress)
     preds = choose(r, adapter, device, probe.machine, probe.layer, clipped=clipped)
     print(render(r, probe, preds, device))
+    from megatrain_cli.engine.plan.memory import host_state_line
+    from megatrain_cli.store.tiles import MASTER_DTYPES
+
+    print(host_state_line(adapter, shape["dtype"], MASTER_DTYPES[r.train.master_weights], r.train.optimizer_state))
     if r.train.method != "sft" and as_written is not None:  # the method, its pair layout, its reference pass
         from megatrain_cli.train.predicted import method_lines
 

@@ -13,6 +13,8 @@ after one warm-up call, through HostAdamW as the engine calls it:
   cast     staging.copy_(master)           the packer's fp32 -> bf16 cast into staging (6 B/param)
   emit     update_weights_span(..., staging)  cpp only: the update on read, weights + bf16 cast
                                            into staging in one pass (20 B/param), against weights + cast
+  bf16 m,v / int8 m,v  update(tile, lr, 1) over a tile whose moments are bf16 / int8 (train.optimizer_state:
+                                           adamw_state.cpp, one pass; 18 / 14 B/param with bf16 grads)
 Staging is page-locked where CUDA is present (as the packer's), plain memory otherwise.
 The torch and C++ calls alternate within each repetition. G params/s = numel / time; GB/s = the bytes one pass must move (fp32 master, m, v read and written,
 grad read: 26 B/param with bf16 grads, 28 with fp32) / time, a floor on the traffic, the same for
@@ -32,6 +34,8 @@ import torch
 from megatrain_cli.optim import adamw_cpp
 from megatrain_cli.optim.host_adamw import HostAdamW
 from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.moments import moment_bytes_per_param, write_moments
+from megatrain_cli.store.tiles import TileLayout, allocate_tile
 
 NO_DECAY = 2 * 3584 + 3584 + 2 * 512  # a Qwen2.5-7B layer's norms and q/k/v biases
 
@@ -40,7 +44,7 @@ def make_tile(numel: int, grad_dtype: torch.dtype) -> SimpleNamespace:
     g = torch.Generator().manual_seed(0)
     master = torch.empty(numel).normal_(0, 0.02, generator=g)
     tile = SimpleNamespace(layout=SimpleNamespace(decay_numel=max(0, numel - NO_DECAY)), numel=numel, step=0,
-                           master=master, exp_avg=torch.empty(numel).normal_(0, 1e-3, generator=g),
+                           moments="fp32", master=master, exp_avg=torch.empty(numel).normal_(0, 1e-3, generator=g),
                            exp_avg_sq=torch.empty(numel).uniform_(1e-8, 1e-6, generator=g),
                            grad=torch.empty(numel).normal_(0, 1e-2, generator=g).to(grad_dtype))
     return tile
@@ -107,6 +111,19 @@ def main() -> None:
     for op, s, nbytes in zip(("cast", "emit"), secs, (6, 18 + grad_dtype.itemsize)):
         rows.append((op, "cpp" if op == "emit" else "torch", s, args.numel / s / 1e9, args.numel * nbytes / s / 1e9,
                      torch_update / s))
+    # bf16 / int8 moments (train.optimizer_state): the one-pass update over a tile of the same size, its floor
+    # of traffic read p, m, v, g + write p, m, v (adamw_state.cpp).
+    for moments in ("bf16", "int8"):
+        coded = allocate_tile("layers.0", TileLayout([], args.numel, max(0, args.numel - NO_DECAY)), grad_dtype,
+                              torch.float32, moments)
+        coded.master.copy_(tile.master)
+        coded.grad.copy_(tile.grad)
+        write_moments(coded, tile.exp_avg, tile.exp_avg_sq)
+        opt = HostAdamW(TrainConfig(lr=1e-4, weight_decay=0.1, eps=1e-8, optimizer_state=moments), kernel="cpp")
+        s = timed([lambda: opt.update(coded, 1e-4, 1.0)], args.reps)[0]
+        nbytes = 8 + grad_dtype.itemsize + 2 * moment_bytes_per_param(moments)
+        rows.append((f"{moments} m,v", "cpp", s, args.numel / s / 1e9, args.numel * nbytes / s / 1e9, torch_update / s))
+        del coded
     print(f"weights pass + cast {weights_s + secs[0]:.3f} s, emit {secs[1]:.3f} s: "
           f"{(weights_s + secs[0]) / secs[1]:.2f}x for the update on read")
     print(f"\n| op      | path  | median s | G params/s | GB/s (floor) | speed-up |")

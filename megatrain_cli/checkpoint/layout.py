@@ -14,7 +14,10 @@ Layout of one checkpoint (every file listed in manifest.json with its size and C
 (a checkpoint of N ranks puts its tile files under tiles/rank{r}/: sharded.py.)
 
 A tile file is standard safetensors holding `master/<name>`, `exp_avg/<name>`, `exp_avg_sq/<name>`
-for every parameter of the tile: the moments fp32, the masters in the store's master dtype (fp32, or
+for every parameter of the tile: the moments fp32 (whatever train.optimizer_state: bf16 and int8 moments are
+written decoded and coded again on reading, which gives back the same values, so a resume continues bit for
+bit and a checkpoint loads under any optimizer_state, converted; the cost is disk: 8 bytes/param of moments
+however few the host holds), the masters in the store's master dtype (fp32, or
 bf16 with train.master_weights: bf16; the manifest's "master_weights" says which, absent = fp32). A
 resume with the other setting is refused (load.py); a read of the masters alone (export) converts them.
 The grad section is not saved (it is transient within a
@@ -43,6 +46,7 @@ import torch
 from megatrain_cli.checkpoint.format import (CheckpointError, CheckpointSettingError, fsync_dir, publish_dir, read_into,
                                              read_safetensors_header, safetensors_header, seal_file,
                                              seal_tree, tensor_bytes, write_all, write_file_durably)
+from megatrain_cli.store.moments import BLOCK, read_moment, write_moment
 from megatrain_cli.store.tiles import HostStore, Tile, TileLayout
 
 FORMAT = "megatrain-checkpoint"
@@ -50,6 +54,7 @@ VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
 SECTIONS = ("master", "exp_avg", "exp_avg_sq")
+MOMENT_CHUNK = BLOCK << 16  # elements of bf16 / int8 moments converted at a time (16 MiB of fp32)
 _STEP_DIR = re.compile(r"step_(\d+)")
 
 # Test seam: called with ('tile_written', name), ('manifest_written', '') and ('published', '') so
@@ -149,7 +154,13 @@ def write_tile(tile: Tile, path: Path) -> dict[str, Any]:
     with open(path, "wb", buffering=0) as f:
         crcs["header"] = write_all(f, header)
         for section in SECTIONS:  # straight from the views: no copy
-            crcs[section] = write_all(f, tensor_bytes(getattr(tile, section)))
+            if section == "master" or tile.moments == "fp32":
+                crcs[section] = write_all(f, tensor_bytes(getattr(tile, section)))
+                continue
+            crc = 0  # bf16 / int8 moments go to the file as fp32, decoded a chunk at a time
+            for lo in range(0, tile.numel, MOMENT_CHUNK):
+                crc = write_all(f, tensor_bytes(read_moment(tile, section, lo, min(tile.numel, lo + MOMENT_CHUNK))), crc)
+            crcs[section] = crc
         os.fsync(f.fileno())  # costs a disk flush per tile; needed before the manifest may claim it
     return {"bytes": len(header) + _data_bytes(tile), "step": tile.step, "crc32": crcs}
 
@@ -181,6 +192,11 @@ def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str
             if section not in sections:
                 continue
             f.seek(data_start + section_start(tile.numel, section, file_master))
+            if section != "master" and tile.moments != "fp32":
+                crc = _read_coded(f, tile, section, name)
+                if crc != entry["crc32"][section]:
+                    raise CheckpointError(f"{name}: checksum mismatch in section {section} (file corrupted)")
+                continue
             dst = getattr(tile, section)
             landing = dst if dst.dtype == dtype else torch.empty(tile.numel, dtype=dtype)
             crc = read_into(f, tensor_bytes(landing), name)
@@ -188,6 +204,17 @@ def read_tile(tile: Tile, path: Path, entry: dict[str, Any], sections: tuple[str
                 dst.copy_(landing)
             if crc != entry["crc32"][section]:
                 raise CheckpointError(f"{name}: checksum mismatch in section {section} (file corrupted)")
+
+
+def _read_coded(f, tile: Tile, section: str, name: str) -> int:
+    """An fp32 moment section of a file into a tile holding bf16 / int8 moments, coded a chunk at a time
+    (store/moments.py: decoded values come back unchanged, so a resume continues bit for bit); its CRC-32."""
+    buf, crc = torch.empty(min(tile.numel, MOMENT_CHUNK), dtype=torch.float32), 0
+    for lo in range(0, tile.numel, MOMENT_CHUNK):
+        chunk = buf[:min(tile.numel, lo + MOMENT_CHUNK) - lo]
+        crc = read_into(f, tensor_bytes(chunk), name, crc)
+        write_moment(tile, section, chunk, lo)
+    return crc
 
 
 # ---------------------------------------------------------------- the rest of a checkpoint, and its publication

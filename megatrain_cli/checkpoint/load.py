@@ -10,6 +10,7 @@ manifest and picks the reader, so whole.py and sharded.py never import each othe
 from __future__ import annotations
 
 import json
+import sys
 import zlib
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,10 @@ def load_checkpoint(store: HostStore, path: str | Path) -> dict:
         raise CheckpointError(f"{path / TRAINER_STATE}: checksum mismatch (file corrupted)")
     trainer_state = json.loads(raw)
     check_master_weights(store, manifest, path)  # before any tile is touched
+    written = manifest.get("optimizer_state", "fp32")
+    if written != store.moments:  # the file's moments are fp32 either way: converting is coding them
+        print(f"note: {path} was written with train.optimizer_state={written}; its Adam moments are coded as "
+              f"train.optimizer_state={store.moments} on loading (docs/precision.md)", file=sys.stderr, flush=True)
     if getattr(store, "world", None) is not None:  # a ShardedHostStore: this rank's part, from any N
         load_rank(store, path, manifest)
     else:

@@ -35,6 +35,7 @@ from megatrain_cli.checkpoint.layout import (FORMAT, SECTIONS, SIDE_FILES_BYTES,
                                              manifest_master_dtype, master_weights, model_summary, read_tile,
                                              seal_and_publish, section_start, tile_file_bytes, write_side_files,
                                              write_tile)
+from megatrain_cli.store.moments import write_moment
 
 
 def save_sharded_checkpoint(store, output_dir: str | Path, step: int, trainer_state: dict,
@@ -93,7 +94,7 @@ def _save(store, output_dir: Path, step: int, trainer_state: dict, keep_last_n: 
                 fsync_dir(tmp / "tiles")
                 files = write_side_files(tmp, store, state_bytes, tokenizer, source_dir)
                 manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
-                            "master_weights": master_weights(store), "world": world, "tiles": [], "shards": [t for t, _ in shards], "files": files}
+                            "master_weights": master_weights(store), "optimizer_state": store.moments, "world": world, "tiles": [], "shards": [t for t, _ in shards], "files": files}
                 seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
         except (OSError, CheckpointError) as e:
             problem = str(e)
@@ -146,7 +147,8 @@ def load_resharded(store, path: Path, manifest: dict[str, Any], sections: tuple[
     for name, tile in store.tiles.items():
         first, count = _wanted(store, name)
         for section in sections:
-            dst = getattr(tile, section)[:count]
+            coded = section != "master" and tile.moments != "fp32"  # read as fp32, then coded (layout.py)
+            dst = torch.empty(count, dtype=torch.float32) if coded else getattr(tile, section)[:count]
             filled = 0
             for entry, src_first, src_count in sources[name]:
                 lo, hi = max(first, src_first), min(first + count, src_first + src_count)
@@ -156,6 +158,8 @@ def load_resharded(store, path: Path, manifest: dict[str, Any], sections: tuple[
                     filled += hi - lo
             if filled != count:
                 raise CheckpointError(f"{path}: tile {name} has {filled} of the {count} elements this store needs")
+            if coded:
+                write_moment(tile, section, dst)
         if "exp_avg" in sections:
             tile.step = int(sources[name][0][0]["step"])
 

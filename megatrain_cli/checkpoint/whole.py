@@ -45,7 +45,7 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
         files = write_side_files(tmp, store, state_bytes, tokenizer, source_dir)
         fsync_dir(tmp / "tiles")
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "model": model_summary(store),
-                    "master_weights": master_weights(store), "tiles": tiles, "files": files}
+                    "master_weights": master_weights(store), "optimizer_state": store.moments, "tiles": tiles, "files": files}
         seal_and_publish(tmp, final, output_dir, manifest, keep_last_n)
     return final
 

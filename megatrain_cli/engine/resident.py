@@ -17,6 +17,10 @@ host update would queue behind every streamed layer's while the GPU waits at the
 to the compute dtype as the streamed path's D2H rounds it, the same decay ranges and clip), so a run's
 result does not depend on which layers are resident beyond the device's own fp32 rounding.
 
+bf16 or int8 moments (train.optimizer_state) stay in their format on the device too (2 + 2 or ~1 + 1 bytes
+instead of 4 + 4) and take optim/state_adamw.py's update, which is the C++ host kernel's to the bit (one
+pass per tile, weight decay on its leading range, stochastic rounding keyed by tile, step and element).
+
 The host tiles stay the state's home between runs: `load` copies them in before the first step (after
 any resume), `store_home` copies the device state back where the engine promises current host masters
 (Engine.synchronize: checkpoints, export, the final eval; a validation pass reads them in place): master
@@ -29,7 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_cli.optim.state_adamw import StepConsts, update_state
 from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.moments import moment_bytes_per_param, sr_key
 from megatrain_cli.store.tiles import HostStore
 
 CAST_CHUNK = 1 << 24  # elements widened to fp32 per fused call (64 MiB of device scratch)
@@ -43,11 +49,13 @@ class _State:
     weights: torch.Tensor  # compute dtype: what the layer runs with
     grad: torch.Tensor | None  # the host tile's gradient dtype
     step: int
+    exp_avg_exp: torch.Tensor  # int8 moments' block exponents (empty otherwise)
+    exp_avg_sq_exp: torch.Tensor
 
 
-def resident_bytes_per_param(master_width: int, compute_width: int, grad_width: int) -> int:
-    """Device bytes one resident parameter holds: master, two fp32 moments, weights, gradient."""
-    return master_width + 8 + compute_width + grad_width
+def resident_bytes_per_param(master_width: int, compute_width: int, grad_width: int, moments: str = "fp32") -> float:
+    """Device bytes one resident parameter holds: master, two moments (train.optimizer_state), weights, gradient."""
+    return master_width + moment_bytes_per_param(moments) + compute_width + grad_width
 
 
 class ResidentLayers:
@@ -58,6 +66,7 @@ class ResidentLayers:
         self._names = frozenset(names)
         self.beta1, self.beta2 = float(train.betas[0]), float(train.betas[1])
         self.eps, self.weight_decay = train.eps, train.weight_decay
+        self.seed = train.seed  # bf16 moments' stochastic rounding, as HostAdamW's
         self._state: dict[str, _State] = {}
         self._scratch: torch.Tensor | None = None
 
@@ -79,12 +88,14 @@ class ResidentLayers:
             master = t.master.to(self.device, copy=True)
             weights = torch.empty(master.numel(), dtype=self.dtype, device=self.device)
             weights.copy_(master)
+            empty = torch.empty(0, device=self.device)
             if weights_only:
-                self._state[name] = _State(None, None, None, weights, None, t.step)
+                self._state[name] = _State(None, None, None, weights, None, t.step, empty, empty)
                 continue
-            self._state[name] = _State(master, t.exp_avg.to(self.device, copy=True),
-                                       t.exp_avg_sq.to(self.device, copy=True), weights,
-                                       torch.zeros(master.numel(), dtype=t.grad.dtype, device=self.device), t.step)
+            dev = lambda x: x.to(self.device, copy=True)  # noqa: E731
+            self._state[name] = _State(master, dev(t.exp_avg), dev(t.exp_avg_sq), weights,
+                                       torch.zeros(master.numel(), dtype=t.grad.dtype, device=self.device), t.step,
+                                       dev(t.exp_avg_exp), dev(t.exp_avg_sq_exp))
 
     def release(self) -> None:
         """Drop the device state without bringing it home (nothing updated it since `load`: a forward-only
@@ -99,6 +110,8 @@ class ResidentLayers:
             t.master.copy_(s.master)
             t.exp_avg.copy_(s.exp_avg)
             t.exp_avg_sq.copy_(s.exp_avg_sq)
+            t.exp_avg_exp.copy_(s.exp_avg_exp)
+            t.exp_avg_sq_exp.copy_(s.exp_avg_sq_exp)
             t.step = s.step
 
     def weights(self, tile: str) -> torch.Tensor:
@@ -110,7 +123,8 @@ class ResidentLayers:
 
     def device_bytes(self) -> int:
         return sum(x.numel() * x.element_size() for s in self._state.values()
-                   for x in (s.master, s.exp_avg, s.exp_avg_sq, s.weights, s.grad) if x is not None)
+                   for x in (s.master, s.exp_avg, s.exp_avg_sq, s.weights, s.grad, s.exp_avg_exp, s.exp_avg_sq_exp)
+                   if x is not None)
 
     def _widened(self, x: torch.Tensor, lo: int, hi: int, which: int) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -127,8 +141,16 @@ class ResidentLayers:
         scale = None if clip == 1.0 else torch.tensor(1.0 / clip, device=self.device)
         for name, s in self._state.items():
             s.step += 1
-            step = torch.tensor(float(s.step), device=self.device)
             decay = self.store.layouts[name].decay_numel
+            moments = self.store.tiles[name].moments
+            if moments != "fp32":
+                k = StepConsts.make(s.step, lr, self.beta1, self.beta2, self.eps, self.weight_decay, clip)
+                update_state(s.master, s.grad, s.exp_avg, s.exp_avg_sq, s.exp_avg_exp, s.exp_avg_sq_exp,
+                             moments=moments, decay_numel=decay, k=k, key_m=sr_key(self.seed, name, s.step, 0),
+                             key_v=sr_key(self.seed, name, s.step, 1), origin=0)
+                s.weights.copy_(s.master)
+                continue
+            step = torch.tensor(float(s.step), device=self.device)
             for start, end, wd in ((0, decay, self.weight_decay), (decay, s.master.numel(), 0.0)):
                 for lo in range(start, end, CAST_CHUNK):
                     hi = min(end, lo + CAST_CHUNK)

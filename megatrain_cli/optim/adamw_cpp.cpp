@@ -332,6 +332,12 @@ void adamw_correct(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::T
 
 bool uses_avx2() { return has_avx2(); }
 
+// adamw_state.cpp: AdamW over bf16 or int8 moments (train.optimizer_state)
+void adamw_state_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
+                        at::Tensor exp_avg_exp, at::Tensor exp_avg_sq_exp, double step, double lr, double beta1,
+                        double beta2, double eps, double weight_decay, double clip, int64_t decay_numel,
+                        int64_t origin, int64_t key_m, int64_t key_v);
+
 // The bindings load_inline generated: torch::wrap_pybind_function turns a TORCH_CHECK failure into
 // the Python exception torch's own ops raise.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -340,5 +346,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("adamw_weights", torch::wrap_pybind_function(adamw_weights), "adamw_weights");
   m.def("adamw_weights_emit", torch::wrap_pybind_function(adamw_weights_emit), "adamw_weights_emit");
   m.def("adamw_moments", torch::wrap_pybind_function(adamw_moments), "adamw_moments");
+  m.def("adamw_state_update", torch::wrap_pybind_function(adamw_state_update), "adamw_state_update");
   m.def("uses_avx2", torch::wrap_pybind_function(uses_avx2), "uses_avx2");
 }

@@ -23,6 +23,9 @@ Entry points over contiguous flat sections of a tile, each ONE pass over the sta
                  bit-identical to adamw_update (the same expressions, the same vector/tail split); apart,
                  the weights the next forward needs are ready after the smaller pass, and the moments
                  pass runs later, off the critical path (worker.py: deferred moments).
+  adamw_state_update  one AdamW step over a tile whose moments are bf16 or int8 (train.optimizer_state):
+                 adamw_state.cpp, the arithmetic of optim/state_adamw.py bit for bit (not torch's fused
+                 kernel's: there is no torch kernel for these formats to match).
   adamw_weights_emit  adamw_weights over a piece of a section, also storing the new weights' bf16 cast
                  (round to nearest even, as torch's cast) into a second buffer: the packer applies a
                  clipped step's update as it reads the tile and writes the result straight into pinned
@@ -53,6 +56,7 @@ keeps a single OpenMP runtime. Every entry point releases the GIL while it runs,
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import threading
 import time
@@ -60,7 +64,20 @@ import time
 import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_cpp.cpp")
-_NAME = "megatrain_host_adamw"
+STATE_SOURCE = os.path.join(os.path.dirname(SOURCE), "adamw_state.cpp")  # bf16 / int8 moments
+
+
+def _name() -> str:
+    """The extension's name, with a hash of its sources: builds of other versions (other checkouts on the
+    machine) live in other cache directories instead of rebuilding, and racing to load, one another's."""
+    h = hashlib.sha256()
+    for path in (SOURCE, STATE_SOURCE):
+        with open(path, "rb") as f:
+            h.update(f.read())
+    return f"megatrain_host_adamw_{h.hexdigest()[:12]}"
+
+
+_NAME = _name()  # train/host_kernel.py finds the build's lock by it
 _lock = threading.Lock()
 _module = None
 _error: Exception | None = None
@@ -89,7 +106,7 @@ def load():
         t0 = time.perf_counter()
         try:
             _module = load_extension(
-                name=_NAME, sources=[SOURCE],
+                name=_NAME, sources=[SOURCE, STATE_SOURCE],
                 extra_cflags=["-O3", "-fopenmp", "-ffp-contract=off", "-fno-math-errno"],
                 extra_ldflags=_gomp_flags(), verbose=False)
         except Exception as e:  # compiler missing, ninja missing, build error
@@ -140,6 +157,16 @@ def update_weights_emit(master, grad, exp_avg, exp_avg_sq, out, *, step: float, 
 def update_moments(master, grad, exp_avg, exp_avg_sq, *, beta1: float, beta2: float, clip: float = 1.0) -> None:
     """The moments `update` would write (after update_weights, before anything else touches them)."""
     load().adamw_moments(master, grad, exp_avg, exp_avg_sq, float(beta1), float(beta2), float(clip), _TAIL)
+
+
+def update_state(master, grad, exp_avg, exp_avg_sq, exp_avg_exp, exp_avg_sq_exp, *, step: float, lr: float,
+                 beta1: float, beta2: float, eps: float, weight_decay: float, clip: float, decay_numel: int,
+                 origin: int, key_m: int, key_v: int) -> None:
+    """One AdamW step over a whole tile whose moments are bf16 or int8 (adamw_state.cpp; the arithmetic of
+    optim/state_adamw.py, bit for bit): weight decay on the leading `decay_numel` elements."""
+    load().adamw_state_update(master, grad, exp_avg, exp_avg_sq, exp_avg_exp, exp_avg_sq_exp, float(step), float(lr),
+                              float(beta1), float(beta2), float(eps), float(weight_decay), float(clip),
+                              int(decay_numel), int(origin), int(key_m), int(key_v))
 
 
 def correct(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,

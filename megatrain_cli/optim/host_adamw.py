@@ -24,6 +24,11 @@ kernel if it compiles, else the torch path, with one warning): the C++ update mo
 parameter (no fp32 scratch for a bf16 gradient) and host AdamW is memory-bound. rollback always runs
 the torch ops.
 
+bf16 or int8 moments (train.optimizer_state; the tile's `moments`): `update` runs one pass over the whole tile
+(adamw_cpp.update_state, or optim/state_adamw.py on the torch path: the same bits), weight decay on its
+leading range; `correct` and `rollback` refuse them (a coded moment cannot be taken back exactly) and
+`defer_moments` is off (the moments pass would code them again from a recomputation: not worth a pass).
+
 `defer_moments` (the C++ kernel only; on by default, ignored with the torch path): `update_weights`
 stores an update's weights and leaves its moments to `update_moments`, which must run before anything
 else reads the tile's moments or replaces its gradient. Bit-identical to `update`; what it buys is a
@@ -38,7 +43,9 @@ import warnings
 
 import torch
 
+from megatrain_cli.optim.state_adamw import StepConsts, update_state
 from megatrain_cli.recipe import TrainConfig
+from megatrain_cli.store.moments import sr_key
 from megatrain_cli.store.tiles import Tile
 
 CAST_CHUNK = 1 << 24  # elements widened per fused call when grads are bf16 (64 MiB of fp32 scratch)
@@ -99,6 +106,7 @@ class HostAdamW:
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         self.eps = cfg.eps
         self.weight_decay = cfg.weight_decay
+        self.seed = cfg.seed  # stochastic rounding of bf16 moments (store/moments.py)
         self._scratch: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None  # fp32 scratch for a chunk of bf16 masters
         self.kernel = resolve_kernel(kernel)
@@ -107,7 +115,7 @@ class HostAdamW:
             from megatrain_cli.optim import adamw_cpp
 
             self._cpp = adamw_cpp
-        self.defer_moments = bool(defer_moments) and self._cpp is not None
+        self.defer_moments = bool(defer_moments) and self._cpp is not None and cfg.optimizer_state == "fp32"
 
     def _fused(self, master, grad, m, v, step: float, lr: float, wd: float, clip: float) -> None:
         torch._fused_adamw_(
@@ -142,6 +150,25 @@ class HostAdamW:
             raise RuntimeError(f"HostAdamW.{what} needs fp32 master weights: a bf16 weight was rounded after the "
                                "update and cannot be taken back exactly (train.master_weights=bf16 does not "
                                "speculate)")
+        if tile.moments != "fp32":
+            raise RuntimeError(f"HostAdamW.{what} needs fp32 moments: {tile.moments} moments were coded after the "
+                               "update and cannot be taken back exactly (train.optimizer_state="
+                               f"{tile.moments} does not speculate)")
+
+    def _update_state(self, tile: Tile, lr: float, clip: float) -> None:
+        """`update` of a tile with bf16 or int8 moments: one pass over the whole tile."""
+        step = tile.step + 1
+        keys = dict(key_m=sr_key(self.seed, tile.name, step, 0), key_v=sr_key(self.seed, tile.name, step, 1),
+                    origin=tile.origin)
+        sections = (tile.master, tile.grad, tile.exp_avg, tile.exp_avg_sq, tile.exp_avg_exp, tile.exp_avg_sq_exp)
+        if self._cpp is not None:
+            self._cpp.update_state(*sections, step=step, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
+                                   weight_decay=self.weight_decay, clip=clip, decay_numel=tile.layout.decay_numel,
+                                   **keys)
+        else:
+            k = StepConsts.make(step, lr, self.beta1, self.beta2, self.eps, self.weight_decay, clip)
+            update_state(*sections, moments=tile.moments, decay_numel=tile.layout.decay_numel, k=k, **keys)
+        tile.step = step
 
     def _bias_corrections(self, step: int) -> tuple[float, float]:
         return 1.0 - self.beta1 ** step, math.sqrt(1.0 - self.beta2 ** step)
@@ -195,8 +222,8 @@ class HostAdamW:
 
     def update_weights(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
         """`update`'s new weights (and step count); its moments wait for update_moments (defer_moments)."""
-        if not self.defer_moments:
-            raise RuntimeError("update_weights needs defer_moments (the C++ host kernel)")
+        if not self.defer_moments or tile.moments != "fp32":
+            raise RuntimeError("update_weights needs defer_moments (the C++ host kernel) and fp32 moments")
         step = float(tile.step + 1)
         for start, end, wd in self._sections(tile):
             self._cpp.update_weights(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
@@ -230,6 +257,8 @@ class HostAdamW:
 
     def update(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
         """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is)."""
+        if tile.moments != "fp32":
+            return self._update_state(tile, lr, clip)
         step = float(tile.step + 1)
         if self._cpp is not None:
             for start, end, wd in self._sections(tile):

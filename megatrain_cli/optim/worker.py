@@ -5,7 +5,8 @@ What each does and costs: docs/architecture.md ("Clipping and the optimizer"). `
 `wait_state` and `landed` are the transfer layer's HostUpdates (engine/transfer/updates.py), met by these
 methods alone: the optimizer imports nothing of the engine.
 
-With bf16 masters nothing speculates: a rounded weight cannot be corrected exactly. Jobs carry their step's
+With bf16 masters, or bf16 / int8 moments (train.optimizer_state), nothing speculates: a rounded weight or
+a coded moment cannot be corrected exactly. Jobs carry their step's
 context, so step t's deferred updates can still run while step t+1's forward begins. One worker thread
 (AdamW is memory-bound; torch's fused kernel already uses all intra-op threads), so a tile's correction
 always follows its speculative update.
@@ -80,8 +81,8 @@ class OptimizerWorker:
         if threads is not None and threads < 1:  # raised here, not in the worker thread's first job
             raise ValueError(f"OptimizerWorker threads must be >= 1 (None: torch's default), got {threads}")
         self.optimizer, self.store = optimizer, store
-        # bf16 masters: a speculative update cannot be corrected or rolled back exactly (docstring)
-        exact = all(t.master.dtype == torch.float32 for t in store.tiles.values())
+        # bf16 masters, bf16 / int8 moments: a speculative update cannot be corrected or rolled back exactly
+        exact = all(t.master.dtype == torch.float32 and t.moments == "fp32" for t in store.tiles.values())
         self.max_grad_norm, self.speculate = max_grad_norm, speculate and exact
         self.threads = threads  # intra-op threads of host AdamW in this worker's thread (None: torch's default)
         self._rank = {name: i for i, name in enumerate(forward_order)}

@@ -120,6 +120,14 @@ class TrainConfig:
         "rates (measured: docs/precision.md). It also turns off engine.speculate_optimizer (a rounded weight "
         "cannot be corrected exactly): every update waits for the step's gradient norm. Needs model.dtype bf16; "
         "a checkpoint resumes only with the setting it was written with.", "fp32")
+    optimizer_state: Literal["fp32", "bf16", "int8"] = doc(
+        "Adam moments on the host (and on the device for resident layers): 'fp32' (8 bytes/param, torch's AdamW "
+        "bit for bit), 'bf16' (4: written back with stochastic rounding seeded by train.seed), 'int8' (~2.03: "
+        "8-bit codes in 64-element blocks, the second moment coded as its square root). With "
+        "train.master_weights bf16 and int8 moments the host holds ~6 bytes/param with bf16 compute. The "
+        "narrower formats turn off engine.speculate_optimizer and deferred moments (a coded moment cannot be "
+        "corrected exactly); checkpoints hold the moments as fp32 and resume under any setting "
+        "(docs/precision.md).", "fp32")
     method: Literal["sft", "dpo", "ipo", "simpo", "orpo", "kto", "grpo"] = doc(
         "What the loss is: 'sft' the token-mean cross-entropy on the replies; the preference methods train on "
         "preference data (data.format preference / unpaired_preference) with the loss averaged over pairs (KTO: "

@@ -4,7 +4,9 @@ Every tile's flat parameter range [0, numel) is padded to `padded = shard * N` a
 contiguous shards; rank r owns [r * shard, (r + 1) * shard). A rank's tile is an ordinary `Tile`
 (tiles.allocate_tile) of `shard` elements, so it has the same four sections as a whole tile
 (master | exp_avg | exp_avg_sq | grad) and the host bytes per parameter stay those of one GPU:
-14 (bf16 compute; 12 with bf16 masters), now over numel / N parameters per rank.
+14 (bf16 compute; 12 with bf16 masters; less with bf16 or int8 moments), now over numel / N parameters per
+rank. int8 moments are coded in 64-element blocks counted from the shard's first element, i.e. the whole
+tile's blocks (SHARD_ALIGN is the block), except an embedding whose hidden size is not a multiple of 64.
 
     tile      | p0 p1 p2 ... (decayed matrices) ... | ... (norms, biases) ... | pad |
     rank 0    |<---------- shard ---------->|
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_cli.store.moments import read_moments, write_moments
 from megatrain_cli.store.tiles import (HostStore, LayoutQueries, ParamPlace, Tile, TileLayout, allocate_tile,
                                       store_master_dtype, tile_bytes)
 
@@ -80,12 +83,14 @@ class ShardedHostStore(LayoutQueries):
     """This rank's 1/N of every tile, with the whole tiles' layouts; the interface the engine uses."""
 
     def __init__(self, adapter, compute_dtype: torch.dtype, rank: int, world: int, *,
-                 cpu_group=None, allocate: bool = True, master_dtype: torch.dtype | None = None):
+                 cpu_group=None, allocate: bool = True, master_dtype: torch.dtype | None = None,
+                 moments: str = "fp32"):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in 0..{world - 1}")
         self.adapter = adapter
         self.compute_dtype = compute_dtype
         self.master_dtype = store_master_dtype(adapter, master_dtype)
+        self.moments = moments  # train.optimizer_state
         self.rank, self.world = rank, world
         self.cpu_group = cpu_group  # a gloo group for host-tensor collectives (None: the default group)
         self.layouts: dict[str, TileLayout] = HostStore(adapter, compute_dtype, allocate=False).layouts
@@ -95,7 +100,9 @@ class ShardedHostStore(LayoutQueries):
         self.tiles: dict[str, Tile] = {}
         if allocate:
             for name, spec in self.shards.items():
-                tile = allocate_tile(name, TileLayout([], spec.shard, spec.decay), compute_dtype, self.master_dtype)
+                tile = allocate_tile(name, TileLayout([], spec.shard, spec.decay), compute_dtype, self.master_dtype,
+                                     moments)
+                tile.origin = spec.start  # bf16 moments' stochastic rounding counts whole-tile elements
                 for section in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad):
                     section[spec.valid:].zero_()  # the padding is gathered and updated like the rest: zero
                 self.tiles[name] = tile
@@ -105,20 +112,24 @@ class ShardedHostStore(LayoutQueries):
         """This rank's shards of a whole store (all four sections and the step counts): the tests' shards of
         a one-process reference (a run builds its shard directly: models/loader.build_sharded_store)."""
         out = cls(store.adapter, store.compute_dtype, rank, world, cpu_group=cpu_group,
-                  master_dtype=store.master_dtype)
+                  master_dtype=store.master_dtype, moments=store.moments)
         for name, tile in out.tiles.items():
             src, spec = store.tiles[name], out.shards[name]
             n = spec.valid
             for dst_s, src_s in ((tile.master, src.master), (tile.exp_avg, src.exp_avg),
                                  (tile.exp_avg_sq, src.exp_avg_sq), (tile.grad, src.grad)):
                 dst_s[:n].copy_(src_s[spec.start:spec.start + n])
+            if store.moments == "int8":  # the block exponents: coded again from the decoded values (the same codes)
+                m, v = read_moments(src, spec.start, spec.start + n)
+                write_moments(tile, m, v)
             tile.step = src.step
         return out
 
     # ------------------------------------------------------------ what HostStore offers
     def host_bytes(self) -> int:
         """This rank's tile bytes."""
-        return sum(tile_bytes(s.shard, self.compute_dtype, self.master_dtype) for s in self.shards.values())
+        return sum(tile_bytes(s.shard, self.compute_dtype, self.master_dtype, self.moments)
+                   for s in self.shards.values())
 
     def padded_numel(self, tile: str) -> int:
         """Elements of the tile's gathered device buffer and gradient accumulator (whole tile + padding)."""

@@ -3,11 +3,15 @@
 One tile per piece of the model (the embedding, each decoder layer, the head = final norm + LM
 head). A tile is ONE contiguous, 4 KiB-aligned allocation of ordinary pageable memory, in sections:
 
-    | master fp32 | exp_avg fp32 | exp_avg_sq fp32 | grad (compute dtype) |      each section 4 KiB-aligned
+    | master fp32 | exp_avg fp32 | exp_avg_sq fp32 | [block exponents] | grad (compute dtype) |
+                                                                          each section 4 KiB-aligned
 
 = 12 + 2 = 14 bytes per parameter with bf16 compute (16 with fp32 compute). The master section's dtype
 is the store's `master_dtype` (train.master_weights): bf16 masters make it 2 + 8 + 2 = 12 bytes per
-parameter, at the cost of updates rounded to bf16 every step (docs/precision.md). The compute-dtype copy
+parameter, at the cost of updates rounded to bf16 every step (docs/precision.md). The moments' format is
+the store's `moments` (train.optimizer_state, store/moments.py): fp32, bf16 (2 + 2 bytes), or int8 (1 + 1
+bytes of 8-bit codes and one exponent byte per 64-element block and moment): bf16 masters with int8
+moments are 2 + 2.03 + 2 = ~6 bytes per parameter. The compute-dtype copy
 of the weights that the GPU receives is not kept here: the packer casts the fp32 master into pinned
 staging on its way out (saves 2 bytes/param, i.e. 15 GB on a 7B model). Inside each section the
 parameters lie in the same order, matrices first, so that the weight-decayed part of a tile is one
@@ -21,9 +25,11 @@ from typing import Any, Protocol
 
 import torch
 
+from megatrain_cli.store.moments import MOMENT_DTYPES, block_count
+
 
 ALIGN = 4096
-MASTER_DTYPE = torch.float32  # the default master section (and always the moments' dtype)
+MASTER_DTYPE = torch.float32  # the default master section (and the default moments' dtype)
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.master_weights -> the master section
 
 
@@ -109,6 +115,11 @@ class Tile:
     exp_avg_sq: torch.Tensor = field(repr=False)
     grad: torch.Tensor = field(repr=False)
     step: int = 0  # optimizer steps taken by this tile
+    moments: str = "fp32"  # train.optimizer_state: the format of exp_avg / exp_avg_sq (store/moments.py)
+    # int8 moments: each 64-element block's power-of-two scale exponent (int8); empty otherwise
+    exp_avg_exp: torch.Tensor | None = field(default=None, repr=False)
+    exp_avg_sq_exp: torch.Tensor | None = field(default=None, repr=False)
+    origin: int = 0  # the tile's first element in the whole tile (a rank's shard: store/sharded.py)
 
     @property
     def numel(self) -> int:
@@ -124,35 +135,46 @@ class Tile:
 
 
 def _width(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits // 8
+    return dtype.itemsize
 
 
-def tile_bytes(numel: int, grad_dtype: torch.dtype, master_dtype: torch.dtype = MASTER_DTYPE) -> int:
-    master = _round_up(numel * _width(master_dtype), ALIGN)
-    fp32 = _round_up(numel * 4, ALIGN)
-    grad = _round_up(numel * _width(grad_dtype), ALIGN)
-    return master + 2 * fp32 + grad
+def _sections(numel: int, grad_dtype: torch.dtype, master_dtype: torch.dtype, moments: str) -> list[int]:
+    """Bytes of each section, 4 KiB-aligned: master, exp_avg, exp_avg_sq, the two block-exponent rows
+    (int8 moments; else 0), grad."""
+    mw = _width(MOMENT_DTYPES[moments])
+    exps = block_count(numel) if moments == "int8" else 0
+    return [_round_up(b, ALIGN) for b in (numel * _width(master_dtype), numel * mw, numel * mw, exps, exps,
+                                          numel * _width(grad_dtype))]
+
+
+def tile_bytes(numel: int, grad_dtype: torch.dtype, master_dtype: torch.dtype = MASTER_DTYPE,
+               moments: str = "fp32") -> int:
+    return sum(_sections(numel, grad_dtype, master_dtype, moments))
 
 
 def allocate_tile(name: str, layout: TileLayout, grad_dtype: torch.dtype,
-                  master_dtype: torch.dtype = MASTER_DTYPE) -> Tile:
+                  master_dtype: torch.dtype = MASTER_DTYPE, moments: str = "fp32") -> Tile:
     """One aligned pageable allocation for the whole tile; sections are dtype views into it."""
     if master_dtype not in MASTER_DTYPES.values():
         raise ValueError(f"master weights must be fp32 or bf16, got {master_dtype}")
-    total = tile_bytes(layout.numel, grad_dtype, master_dtype)
+    if moments not in MOMENT_DTYPES:
+        raise ValueError(f"optimizer state must be one of {tuple(MOMENT_DTYPES)}, got {moments!r}")
+    sizes = _sections(layout.numel, grad_dtype, master_dtype, moments)
+    total = sum(sizes)
     raw = torch.empty(total + ALIGN, dtype=torch.uint8)  # untouched pages cost nothing until written
     shift = (-raw.data_ptr()) % ALIGN
     buf = raw[shift:shift + total]
     n = layout.numel
-    master = _round_up(n * _width(master_dtype), ALIGN)
-    fp32 = _round_up(n * 4, ALIGN)
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
 
-    def section(start: int, dtype: torch.dtype) -> torch.Tensor:
-        return buf[start:start + n * _width(dtype)].view(dtype)
+    def section(k: int, dtype: torch.dtype, count: int = n) -> torch.Tensor:
+        return buf[starts[k]:starts[k] + count * _width(dtype)].view(dtype)
 
-    return Tile(name, layout, grad_dtype, buf,
-                master=section(0, master_dtype), exp_avg=section(master, torch.float32),
-                exp_avg_sq=section(master + fp32, torch.float32), grad=section(master + 2 * fp32, grad_dtype))
+    mdt = MOMENT_DTYPES[moments]
+    exps = block_count(n) if moments == "int8" else 0
+    return Tile(name, layout, grad_dtype, buf, master=section(0, master_dtype), exp_avg=section(1, mdt),
+                exp_avg_sq=section(2, mdt), grad=section(5, grad_dtype), moments=moments,
+                exp_avg_exp=section(3, torch.int8, exps), exp_avg_sq_exp=section(4, torch.int8, exps))
 
 
 def store_master_dtype(adapter: ModelParts, master_dtype: torch.dtype | None) -> torch.dtype:
@@ -183,9 +205,8 @@ class LayoutQueries:
 
     def zero_state(self) -> None:
         for t in self.tiles.values():
-            t.exp_avg.zero_()
-            t.exp_avg_sq.zero_()
-            t.grad.zero_()
+            for section in (t.exp_avg, t.exp_avg_sq, t.exp_avg_exp, t.exp_avg_sq_exp, t.grad):
+                section.zero_()
             t.step = 0
 
     def hf_items(self):
@@ -199,10 +220,11 @@ class HostStore(LayoutQueries):
     """All tiles of one model, in streaming order: embed, layers.0 .. layers.L-1, head."""
 
     def __init__(self, adapter: ModelParts, compute_dtype: torch.dtype, allocate: bool = True,
-                 master_dtype: torch.dtype | None = None):
+                 master_dtype: torch.dtype | None = None, moments: str = "fp32"):
         self.adapter = adapter
         self.compute_dtype = compute_dtype
         self.master_dtype = store_master_dtype(adapter, master_dtype)
+        self.moments = moments  # train.optimizer_state
         self.layouts: dict[str, TileLayout] = {"embed": TileLayout.from_specs(adapter.embed_specs())}
         for i in range(adapter.num_layers):
             self.layouts[f"layers.{i}"] = TileLayout.from_specs(adapter.layer_specs(i))
@@ -210,10 +232,11 @@ class HostStore(LayoutQueries):
         self.tiles: dict[str, Tile] = {}
         if allocate:
             for name, layout in self.layouts.items():
-                self.tiles[name] = allocate_tile(name, layout, compute_dtype, self.master_dtype)
+                self.tiles[name] = allocate_tile(name, layout, compute_dtype, self.master_dtype, moments)
 
     def host_bytes(self) -> int:
-        return sum(tile_bytes(l.numel, self.compute_dtype, self.master_dtype) for l in self.layouts.values())
+        return sum(tile_bytes(l.numel, self.compute_dtype, self.master_dtype, self.moments)
+                   for l in self.layouts.values())
 
     # ------------------------------------------------------------ HF names
     def master_view(self, tile: str, place: ParamPlace) -> torch.Tensor:

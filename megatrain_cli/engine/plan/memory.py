@@ -20,6 +20,8 @@ from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_
 from megatrain_cli.engine.transfer.slots import embedding_rows_pinned, transfer_chunk
 from megatrain_cli.machine import available_host_bytes
 from megatrain_cli.models.adapter import ModelAdapter
+from megatrain_cli.optim.state_adamw import CHUNK as STATE_CHUNK
+from megatrain_cli.store.moments import BLOCK, MOMENT_DTYPES, block_count
 from megatrain_cli.store.tiles import HostStore
 
 GiB = 2**30
@@ -74,21 +76,25 @@ class MemoryPlan:
 def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_size: int, seq_len: int,
               grad_accum: int, checkpoint_interval: int, grad_slabs: int, layer_slots: int = 2,
               loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0,
-              resident_layers: int = 0, master_dtype: torch.dtype = torch.float32,
+              resident_layers: int = 0, master_dtype: torch.dtype = torch.float32, moments: str = "fp32",
               device_figures: bool = True) -> MemoryPlan:
     """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute);
     `resident_layers`: how many of the first layers keep their optimizer state on the device;
-    `master_dtype`: train.master_weights; `device_figures` False: the host figures alone (a lean path)."""
-    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype)
+    `master_dtype`: train.master_weights; `moments`: train.optimizer_state; `device_figures` False: the host figures alone (a lean path)."""
+    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments)
     n = store.num_params()
     width = torch.finfo(compute_dtype).bits // 8
     plan = MemoryPlan(params=n)
     master = torch.finfo(store.master_dtype).bits // 8  # train.master_weights: 4 (fp32) or 2 (bf16)
     plan.host[f"{'fp32' if master == 4 else 'bf16'} master weights"] = master * n
-    plan.host["fp32 Adam exp_avg"] = 4 * n
-    plan.host["fp32 Adam exp_avg_sq"] = 4 * n
+    code = MOMENT_DTYPES[moments].itemsize  # train.optimizer_state: 4, 2 or 1 byte per moment
+    plan.host[f"{moments} Adam exp_avg"] = code * n
+    plan.host[f"{moments} Adam exp_avg_sq"] = code * n
+    if moments == "int8":
+        plan.host[f"int8 block exponents (1 byte per {BLOCK} elements and moment)"] = \
+            2 * sum(block_count(l.numel) for l in store.layouts.values())
     plan.host[f"gradients ({str(compute_dtype).removeprefix('torch.')})"] = width * n
-    plan.host["4 KiB alignment padding"] = max(0, store.host_bytes() - (master + 8 + width) * n)
+    plan.host["4 KiB alignment padding"] = max(0, store.host_bytes() - sum(plan.host.values()))
     big = store.largest_layer_numel()
     if device_type == "cuda":
         chunk = transfer_chunk(big)
@@ -156,16 +162,28 @@ def _device_figures(plan: MemoryPlan, store: HostStore, width: int, *, micro_bat
         plan.device["recomputed block activations (estimate)"] = recomputed
 
 
+def host_state_line(adapter: ModelAdapter, compute_dtype: torch.dtype, master_dtype: torch.dtype,
+                    moments: str) -> str:
+    """One line of the host tiles' size (`megatrain plan`; `train --dry-run` itemises them)."""
+    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments)
+    total, n = store.host_bytes(), store.num_params()
+    master = "bf16" if master_dtype == torch.bfloat16 else "fp32"
+    return (f"host state: {total / GiB:.1f} GiB of tiles, {total / n:.2f} bytes/param (train.master_weights={master}, "
+            f"train.optimizer_state={moments}); `train --dry-run` itemises them with the pinned buffers")
+
+
 def resident_device_bytes(store: HostStore, n: int, width: int) -> int:
     """Device bytes of the first n layers and the head kept resident (engine/resident.py), with its fp32
     scratch for widening a bf16 master or gradient; 0 for n = 0."""
     if n <= 0:
         return 0
     master = torch.finfo(store.master_dtype).bits // 8
-    per_param = resident_bytes_per_param(master, width, width)
+    per_param = resident_bytes_per_param(master, width, width, store.moments)
     scratch = 2 * CAST_CHUNK * 4 if min(width, master) != 4 else 0
+    if store.moments != "fp32":  # optim/state_adamw.py's fp32 temporaries over one chunk (~12 live at once)
+        scratch = max(scratch, 12 * STATE_CHUNK * 4)
     numel = sum(store.layouts[name].numel for name in [*store.layer_names[:n], "head"])
-    return numel * per_param + scratch
+    return int(numel * per_param) + scratch
 
 
 def choose_resident_layers(budget_bytes: int, headroom: float = 0.88, **plan_args) -> int:
@@ -173,7 +191,7 @@ def choose_resident_layers(budget_bytes: int, headroom: float = 0.88, **plan_arg
     activations (kept blocks then take what is left)."""
     base = make_plan(**plan_args).device_total  # the resident term is the only one that grows with n
     store = HostStore(plan_args["adapter"], plan_args["compute_dtype"], allocate=False,
-                      master_dtype=plan_args.get("master_dtype"))
+                      master_dtype=plan_args.get("master_dtype"), moments=plan_args.get("moments", "fp32"))
     width = torch.finfo(plan_args["compute_dtype"]).bits // 8
     best = 0
     for n in range(1, plan_args["adapter"].num_layers + 1):

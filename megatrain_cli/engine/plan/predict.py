@@ -44,6 +44,7 @@ import torch
 from megatrain_cli.engine.plan.lean_terms import checkpoint_bytes
 from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures, recipe_shape
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
+from megatrain_cli.store.moments import moment_bytes_per_param
 from megatrain_cli.store.tiles import HostStore
 
 GiB = 2**30
@@ -98,6 +99,13 @@ class StepShape:
     update_on_read: bool = True
     overlap_optimizer: bool = True
     device: str = "cuda"
+    moments: str = "fp32"  # train.optimizer_state: bf16 / int8 moments update in one pass, never split
+
+
+def state_update_bytes(moments: str) -> float:
+    """Host traffic per parameter of the one-pass update over bf16 / int8 moments (adamw_state.cpp): read p, m,
+    v, g, write p, m, v (fp32 masters, bf16 gradients). Bytes only: the coding's arithmetic is not in the probe."""
+    return 4 + 2 + 4 + 2 * moment_bytes_per_param(moments)
 
 
 @dataclass
@@ -198,7 +206,10 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
         return P / (fig.cast_elems_per_s * fig.host_gbps_at(u) * 1e9 / alone) if alone else 0.0
 
     worker = shape.overlap_optimizer and cuda
-    if worker and shape.clipped and shape.update_on_read:
+    coded = shape.moments != "fp32"  # no speculation, no split passes: the forward waits for whole updates
+    if worker and coded:
+        prep = host(P, state_update_bytes(shape.moments), u_fwd) + cast_s(u_fwd)
+    elif worker and shape.clipped and shape.update_on_read:
         emit = fig.emit_at(u_fwd)
         prep = P / emit if emit else host(P, EMIT_B, u_fwd)
     elif worker and shape.clipped:
@@ -217,15 +228,17 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     if gpu_head is not None and head_h2d is not None:
         head_phase = max(gpu_head, head_prep, head_h2d) if cuda else gpu_head + head_prep
     bwd_host = bwd_transfers * cast_s(u_bwd) + host(S * P + head, LAND_B, u_bwd)
-    if worker:
+    if worker and not coded:
         bwd_host += (host(S * P + head + model.embed_params, MOMENTS_B, u_bwd) if shape.clipped
                      else host(S * P + head, UPDATE_B, u_bwd))
     if gpu_bwd is not None and bwd_pcie is not None:
         backward = max(gpu_bwd, bwd_pcie, bwd_host) if cuda else gpu_bwd + bwd_host
     if worker:  # the embedding's update: its rows are gathered on the host before the next forward starts
-        serial = host(model.embed_params, WEIGHTS_B if shape.clipped else UPDATE_B, 0.0)
+        serial = host(model.embed_params, state_update_bytes(shape.moments) if coded else
+                      WEIGHTS_B if shape.clipped else UPDATE_B, 0.0)
     else:  # every update after the backward, nothing to overlap it
-        serial = host(S * P + head + model.embed_params, UPDATE_B, 0.0)
+        serial = host(S * P + head + model.embed_params,
+                      state_update_bytes(shape.moments) if coded else UPDATE_B, 0.0)
 
     phases = {"forward": forward, "head": head_phase, "backward": backward, "serial": serial}
     gpu = None if f is None or gpu_head is None or gpu_bwd is None else \
@@ -245,7 +258,7 @@ def shape_of(r, device: torch.device, *, clipped: bool = True) -> StepShape:
     t, e = r.train, r.engine
     return StepShape(t.micro_batch_size, t.seq_len, t.grad_accum, e.layer_slots, clipped=clipped and
                      t.max_grad_norm is not None, update_on_read=e.update_on_read and e.defer_moments,
-                     overlap_optimizer=e.overlap_optimizer, device=device.type)
+                     overlap_optimizer=e.overlap_optimizer, device=device.type, moments=t.optimizer_state)
 
 
 def _planned(r, adapter, device, cand_engine: dict, budget):

@@ -137,8 +137,10 @@ class _Setup:
         args = dict(adapter=adapter, compute_dtype=DTYPES[r.model.dtype], micro_batch_size=t.micro_batch_size,
                     seq_len=t.seq_len, grad_accum=t.grad_accum, checkpoint_interval=e.checkpoint_interval,
                     grad_slabs=e.grad_slabs, layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens,
-                    device_type=device.type, master_dtype=MASTER_DTYPES[t.master_weights])
-        store = HostStore(adapter, args["compute_dtype"], allocate=False, master_dtype=args["master_dtype"])
+                    device_type=device.type, master_dtype=MASTER_DTYPES[t.master_weights],
+                    moments=t.optimizer_state)
+        store = HostStore(adapter, args["compute_dtype"], allocate=False, master_dtype=args["master_dtype"],
+                          moments=t.optimizer_state)
         return cls(r, adapter, device, budget, args, store, store_built,
                    None if store_built else effective_host_limit())
 

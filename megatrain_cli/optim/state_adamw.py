@@ -1,0 +1,107 @@
+"""AdamW over bf16 or int8 moments (train.optimizer_state, store/moments.py) in torch ops, on any device: the
+GPU-resident path (engine/resident.py) and HostAdamW's torch path. The C++ host kernel (adamw_state.cpp)
+computes the same fp32 operations in the same order, so the two agree bit for bit (tests/optim/
+test_state_precision.py).
+
+Per element, all in fp32, each operation rounded on its own (no FMA: the C++ build has -ffp-contract=off,
+torch's elementwise ops round each op):
+
+    g = grad / fp32(1 / clip)                      (clip 1: g = grad)
+    m = m + (1 - b1) * (g - m)
+    v = v * b2 + (g * g) * (1 - b2)
+    p = p * (1 - lr * wd)                          (the weight-decayed leading range)
+    p = p + (-lr / bc1 * m) / (sqrt(v) / sqrt(bc2) + eps)
+
+(sqrt rounded correctly: store.moments.sqrt_rn), with m, v decoded from their format first and coded back
+after, rounded stochastically (int8: m and sqrt(v) coded per block), and the scalars formed in double and
+rounded to fp32 as make_consts does. The update itself uses the new m and v before they are coded, as 8-bit Adam does. Not torch's fused AdamW
+(whose lerp and FMAs are tied to its build): the fp32 setting keeps that one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from megatrain_cli.store.moments import BLOCK, decode_int8, encode_int8, sqrt_rn, stochastic_bf16
+
+CHUNK = BLOCK << 18  # 16 M elements per pass of torch ops (a multiple of the int8 block)
+
+
+@dataclass(frozen=True)
+class StepConsts:
+    """One update's scalars, as python floats that torch rounds to fp32 where they meet a tensor."""
+
+    w1: float  # 1 - beta1
+    beta2: float
+    c2: float  # 1 - beta2
+    bc2s: float  # sqrt(1 - beta2^step)
+    eps: float
+    neg_step: float  # -lr / (1 - beta1^step)
+    decay: float  # 1 - lr * weight_decay
+    inv_clip: float  # 1 / clip, by which the gradient is divided (1.0: not)
+
+    @classmethod
+    def make(cls, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+             clip: float) -> "StepConsts":
+        bc1, bc2 = 1 - beta1 ** step, 1 - beta2 ** step
+        return cls(1 - beta1, beta2, 1 - beta2, math.sqrt(bc2), eps, -(lr / bc1), 1 - lr * weight_decay, 1.0 / clip)
+
+
+def _divisors(k: StepConsts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two scalar divisors as fp32 tensors on the device: CUDA divides by a host scalar as a multiply by
+    its reciprocal (another rounding), by a device tensor truly."""
+    return (torch.tensor(k.inv_clip, dtype=torch.float32, device=device),
+            torch.tensor(k.bc2s, dtype=torch.float32, device=device))
+
+
+def adam_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: StepConsts,
+              decays: bool, div: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """New (p, m, v, sqrt(v)) from fp32 p, g, m, v: the formula of the module docstring, one rounding per op
+    (a python float scalar is rounded to fp32 where it meets an fp32 tensor)."""
+    if k.inv_clip != 1.0:
+        g = g / div[0]
+    m = m + (g - m) * k.w1
+    v = v * k.beta2 + (g * g) * k.c2
+    root = sqrt_rn(v)
+    denom = root / div[1] + k.eps
+    if decays:
+        p = p * k.decay
+    p = p + (m * k.neg_step) / denom
+    return p, m, v, root
+
+
+def update_state(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 exp_avg_exp: torch.Tensor, exp_avg_sq_exp: torch.Tensor, *, moments: str, decay_numel: int,
+                 k: StepConsts, key_m: int, key_v: int, origin: int) -> None:
+    """One AdamW step over a tile's flat sections, in place (module docstring). `decay_numel`: the leading
+    range that takes weight decay; `origin`: the tile's first element in the whole tile (stochastic
+    rounding's element index); key_m, key_v: store.moments.sr_key of this tile, step and moment."""
+    if moments not in ("bf16", "int8"):
+        raise ValueError(f"update_state takes bf16 or int8 moments, got {moments!r}")
+    n = master.numel()
+    div = _divisors(k, master.device)
+    for lo in range(0, n, CHUNK):
+        hi = min(n, lo + CHUNK)
+        g = grad[lo:hi].float()
+        if moments == "bf16":
+            m, v = exp_avg[lo:hi].float(), exp_avg_sq[lo:hi].float()
+        else:
+            b = slice(lo // BLOCK, -(-hi // BLOCK))
+            m = decode_int8(exp_avg[lo:hi], exp_avg_exp[b])
+            t = decode_int8(exp_avg_sq[lo:hi], exp_avg_sq_exp[b])
+            v = t * t
+        p = master[lo:hi].float()
+        cut = min(max(decay_numel - lo, 0), hi - lo)  # the decayed part of this chunk
+        outs = [adam_math(p[a:z], g[a:z], m[a:z], v[a:z], k, decays, div)
+                for a, z, decays in ((0, cut, True), (cut, hi - lo, False)) if z > a]
+        p, m, v, root = (torch.cat([o[j] for o in outs]) for j in range(4))
+        master[lo:hi].copy_(p)  # a bf16 master: round to nearest even
+        if moments == "bf16":
+            exp_avg[lo:hi].copy_(stochastic_bf16(m, key_m, origin + lo))
+            exp_avg_sq[lo:hi].copy_(stochastic_bf16(v, key_v, origin + lo))
+        else:
+            encode_int8(m, exp_avg[lo:hi], exp_avg_exp[b], key_m, origin + lo)
+            encode_int8(root, exp_avg_sq[lo:hi], exp_avg_sq_exp[b], key_v, origin + lo)
