@@ -39,7 +39,8 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
         check_model_dir(r.model.path, "model.path", r.model.trust_remote_code)
     if r.model.tokenizer is not None and not Path(r.model.tokenizer).is_dir():
         raise TrainingError(f"model.tokenizer: {r.model.tokenizer} is not a folder", 2)
-    config = preflight.read_model_config(r, load_tokenizer(r.model))
+    tokenizer = load_tokenizer(r.model)
+    config = preflight.read_model_config(r, tokenizer)
     # As a dry run: plan for the recipe's device even on a machine without it (the GPU parts are unknown).
     device = torch.device("cuda") if r.engine.device == "cuda" else resolve_device(r.engine.device)
     adapter = ModelAdapter(config)
@@ -58,7 +59,7 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
         as_written = plan_step(r, adapter, device)
     except ValueError:
         as_written = None  # no plan serves it: choose() below says why
-    shape = recipe_shape(r, device, as_written)
+    shape = recipe_shape(r, device, as_written, _packed_docs(r, tokenizer, log))
     machine, layer = to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)
     if machine or layer:
         # The cache is written after probing: one that cannot be is refused first, not after the measurement.
@@ -88,6 +89,22 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
 
         print(method_lines(r, adapter, device, as_written, cache_dir=cache_dir))
     return 0 if preds and preds[0].fits else 3
+
+
+def _packed_docs(r: Recipe, tokenizer, log) -> int | None:
+    """Packed SFT rows are timed at their attention work: the data's rows built as `train` builds them, priced
+    as docs_per_row equal documents (engine/plan/probe.py). None: one document per row."""
+    from megatrain_cli.data import build_train_data, load_examples, split_examples
+    from megatrain_cli.engine.plan.probe import docs_per_row
+
+    if not r.data.packing or r.train.method != "sft":
+        return None
+    train, _ = split_examples(load_examples(r.data), r.data)
+    data = build_train_data(train, tokenizer, r.data, r.train.seq_len, r.train.seed)
+    docs = docs_per_row(data.attention_pairs_per_row(), r.train.seq_len)
+    log(f"packed rows: {data.num_examples / max(1, data.num_rows):.1f} documents a row on average "
+        f"({r.data.source}); their attention timed as {docs} equal documents a row")
+    return docs
 
 
 def render(r: Recipe, probe: Probe, preds: list[Prediction], device: torch.device) -> str:

@@ -67,6 +67,15 @@ class BenchRows:
                 f"(6 x sum(doc_len^2) x hidden x layers)")
 
 
+def probe_docs(r, vocab: int) -> int | None:
+    """The planner probe's docs_per_row for the packed rows this bench times (None: one document per row)."""
+    from megatrain_cli.engine.plan.probe import docs_per_row
+
+    if not r.data.packing:
+        return None
+    return docs_per_row(packed_rows(r, vocab, rows=POOL_ROWS).attention_pairs_per_row(), r.train.seq_len)
+
+
 def packed_rows(r, vocab: int, *, rows: int, tokenizer=None):
     """The TrainData the packed bench draws its rows from. bench.doc_lengths 'synthetic': documents for at
     least max(rows, POOL_ROWS) rows, lengths from the recipe's log-normal; 'data': data.source's training rows,

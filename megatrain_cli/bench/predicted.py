@@ -16,13 +16,16 @@ from megatrain_cli.engine.plan.probe import Probe
 
 
 def probe_for(planned, *, cache_dir: str | Path | None = None, log=print) -> Probe:
-    """This machine's figures and the layer's timing at the row's shape (measured now when not cached)."""
+    """This machine's figures and the layer's timing at the row's shape, packed rows' documents included
+    (measured now when not cached)."""
+    from megatrain_cli.bench.loop import probe_docs
     from megatrain_cli.engine.layer_probe import measure_layer, to_measure
     from megatrain_cli.engine.plan.probe import default_cache_dir, load_or_probe, recipe_shape
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.train.preflight import check_output_dir
 
-    adapter, shape = ModelAdapter(planned.config), recipe_shape(planned.r, planned.device, planned.plan)
+    adapter = ModelAdapter(planned.config)
+    shape = recipe_shape(planned.r, planned.device, planned.plan, probe_docs(planned.r, adapter.vocab_size))
     if any(to_measure(adapter, cache_dir=cache_dir, **shape)):  # its figures go to the cache after measuring
         check_output_dir(cache_dir or default_cache_dir(), "bench: the probe cache", "move that file or make the "
                          "folder writable (the planner's probe, whose prediction each row records, writes there)")

@@ -68,6 +68,17 @@ class TrainData:
                 "fill": self.real_tokens / (self.num_rows * self.seq_len), "truncated": self.truncated,
                 "dropped": self.dropped}
 
+    def attention_pairs_per_row(self) -> float:
+        """The mean over rows of sum(document length^2) as the attention sees a row (build_row: the padding
+        continues the last document): the attention work of a packed row, what the planner prices it by."""
+        lengths = (self.offsets[1:] - self.offsets[:-1]).tolist()
+        total = 0.0
+        for row in self.rows:
+            docs = [lengths[ex] for ex in row] or [0]
+            docs[-1] += self.seq_len - sum(docs)
+            total += sum(n * n for n in docs)
+        return total / max(1, self.num_rows)
+
     @property
     def dropped(self) -> int:
         """Examples left out (nothing to learn in them)."""

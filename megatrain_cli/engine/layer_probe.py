@@ -126,10 +126,11 @@ class OpClock:
 
 def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                   kernels: str = "torch", loss_chunk_tokens: int = 4096, lean: LeanPlan | None = None,
-                  reps: int = 3, warmup: int = 1, seed: int = 0) -> LayerTiming:
+                  docs_per_row: int | None = None, reps: int = 3, warmup: int = 1, seed: int = 0) -> LayerTiming:
     """The engine's per-layer, head and fixed times at micro_batch_size x seq_len (one micro-batch), the
     layers weighted by how many of the model's layers each stands for. `lean`: the recipe's lean plan
-    (MLP chunk, lean norms, loss chunk), run here with no checkpoint offloaded or dropped."""
+    (MLP chunk, lean norms, loss chunk), run here with no checkpoint offloaded or dropped. `docs_per_row`:
+    packed rows of that many equal documents (position ids restarting at each), attention within each."""
     from megatrain_cli.models.loader import build_store
 
     config, counts = cut_config(adapter)
@@ -146,11 +147,13 @@ def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.
     clock = OpClock(engine)
     vocab = engine.adapter.vocab_size
     samples: dict[str, list[float]] = {}
+    pos = None if docs_per_row is None else \
+        (torch.arange(seq_len) % -(-seq_len // docs_per_row)).expand(micro_batch_size, seq_len).contiguous()
     try:
         for s in range(warmup + reps):
             ids = torch.randint(0, vocab, (micro_batch_size, seq_len), generator=torch.Generator().manual_seed(s))
             clock.start()
-            engine.forward_backward([MicroBatch(ids, ids.clone())])
+            engine.forward_backward([MicroBatch(ids, ids.clone(), pos)])
             if s < warmup:
                 continue
             per = {}

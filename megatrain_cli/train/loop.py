@@ -96,6 +96,12 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref
     out = Path(r.output_dir)
     # The data and the checkpoint to resume, each refused when it cannot be right: before anything is written.
     data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out, pref, grpo)
+    if pred is not None and r.data.packing and pref is None and grpo is None:  # priced by its rows' documents
+        from megatrain_cli.engine.plan.probe import docs_per_row
+        from megatrain_cli.models.adapter import ModelAdapter
+
+        pred = prediction(r, ModelAdapter(config), device, plan,
+                          docs=docs_per_row(data.attention_pairs_per_row(), r.train.seq_len))
     made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if the run writes nothing
     out.mkdir(parents=True, exist_ok=True)
     lock, problem = OutputLock(out), None

@@ -11,17 +11,24 @@ import math
 import torch
 
 
-def prediction(r, adapter, device: torch.device, plan, cache_dir=None):
+def prediction(r, adapter, device: torch.device, plan, cache_dir=None, docs: int | None = None):
     """The Prediction for `plan` from the cached probe (a clipped step when train.max_grad_norm is set), or
-    None when this machine was never probed."""
+    None when this machine was never probed. `docs`: packed rows' docs_per_row (engine/plan/probe.py), once the
+    data is read; their timing is used when `megatrain plan` or `bench` cached it, else one document a row's."""
     from megatrain_cli.engine.plan.predict import predict_plan
     from megatrain_cli.engine.plan.probe import read_cached, recipe_shape
 
-    probe = read_cached(adapter, **recipe_shape(r, device, plan), cache_dir=cache_dir)
+    probe = read_cached(adapter, **recipe_shape(r, device, plan, docs), cache_dir=cache_dir)
+    packed = "within documents" if docs is not None else "as one document per row"
+    if probe is not None and probe.layer is None and docs is not None:
+        probe, packed = read_cached(adapter, **recipe_shape(r, device, plan), cache_dir=cache_dir), \
+            "as one document per row"
     if probe is None:
         return None
-    return predict_plan(r, adapter, device, plan, probe.machine, probe.layer,
+    pred = predict_plan(r, adapter, device, plan, probe.machine, probe.layer,
                         clipped=r.train.max_grad_norm is not None)
+    pred.packed = packed if r.data.packing else ""
+    return pred
 
 
 def describe(pred) -> str:
@@ -33,8 +40,11 @@ def describe(pred) -> str:
         return (f"planner: at least {pred.lower_bound:.3f} s/step for this plan (unknown here: "
                 f"{', '.join(pred.unknown)})")
     ph = pred.phases
+    packed = "" if not pred.packed else f"; packed rows' attention priced {pred.packed}" + (
+        "" if pred.packed == "within documents" else ": `megatrain plan RECIPE` times this data's documents")
     return (f"planner: predicted {pred.total:.3f} s/step for this plan (forward {ph['forward']:.3f}, head "
-            f"{ph['head']:.3f}, backward {ph['backward']:.3f}, not overlapped {ph['serial']:.3f}; docs/planner.md)")
+            f"{ph['head']:.3f}, backward {ph['backward']:.3f}, not overlapped {ph['serial']:.3f}{packed}; "
+            f"docs/planner.md)")
 
 
 def against(pred, measured_s: float, steps: int) -> str:

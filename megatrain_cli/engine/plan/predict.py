@@ -118,6 +118,9 @@ class Prediction:
     device_bytes: int = 0
     fits: bool = True
     problems: list = field(default_factory=list)
+    # packed rows (data.packing): how the probe's layer timing priced their attention: 'within documents' (timed
+    # at the rows' docs_per_row), 'as one document per row' (no such timing cached, or the data not read yet)
+    packed: str = ""
 
     @property
     def lower_bound(self) -> float:

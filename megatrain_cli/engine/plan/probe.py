@@ -9,7 +9,8 @@ What predict.py needs and nothing else:
               after a clipped step); the packer's fp32 -> bf16 cast into pinned memory, elements/s
     device    bf16 GEMM TFLOP/s (an N x N x N matmul) and device memory bandwidth (a device-to-device
               copy: what an AdamW over resident layers is bound by)
-    layer     the engine's own ops at the recipe's micro-batch x sequence, per micro-batch: a layer's
+    layer     the engine's own ops at the recipe's micro-batch x sequence (packed rows: equal documents of
+              the data's attention work, docs_per_row), per micro-batch: a layer's
               forward (no autograd), its recorded forward (autograd: a recompute, or a kept block's
               forward), its backward, the head, and the step's fixed work (inputs, embedding backward);
               measured by engine/layer_probe.py (the engine cannot be imported from here, so callers pass
@@ -130,7 +131,7 @@ def cache_key() -> str:
 
 
 def layer_key(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
-              kernels: str, loss_chunk_tokens: int = 4096, lean=None) -> str:
+              kernels: str, loss_chunk_tokens: int = 4096, lean=None, docs_per_row: int | None = None) -> str:
     """The model's layer shapes (every distinct structure), its attention code, its head, the step's shape and
     how the engine runs it (kernels, loss chunk, a lean plan's MLP chunk and norms): a layer timing is reused
     only for the same work. Stable across processes (hashlib, not hash())."""
@@ -142,8 +143,16 @@ def layer_key(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtyp
     digest = hashlib.sha1(what.encode()).hexdigest()[:12]
     way = f"loss{loss_chunk_tokens}" if lean is None else \
         f"lean-loss{lean.loss_chunk_tokens}-mlp{lean.mlp_chunk_tokens or 0}{'-norms' if lean.lean_norms else ''}"
-    return (f"{adapter.model_type}-{digest}-{micro_batch_size}x{seq_len}-{str(dtype).removeprefix('torch.')}-"
+    docs = "" if docs_per_row is None else f"-{docs_per_row}docs"  # packed rows: attention within documents
+    return (f"{adapter.model_type}-{digest}-{micro_batch_size}x{seq_len}{docs}-{str(dtype).removeprefix('torch.')}-"
             f"{device.type}-{kernels}-{way}")
+
+
+def docs_per_row(pairs_per_row: float, seq_len: int) -> int:
+    """Packed rows as the probe times them: the number of equal-length documents a row would hold for the same
+    sum of squared document lengths (attention's cost in a packed row; data/train_data.attention_pairs_per_row),
+    so rows of the same attention work share one timing."""
+    return max(1, min(seq_len, round(seq_len * seq_len / max(1.0, pairs_per_row))))
 
 
 # ------------------------------------------------------------------ timing helpers
@@ -289,16 +298,18 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def recipe_shape(r, device: torch.device, plan=None) -> dict:
+def recipe_shape(r, device: torch.device, plan=None, docs: int | None = None) -> dict:
     """The layer-timing keys of recipe `r` on `device` (micro-batch, sequence, compute dtype, the kernels the
     engine will run, its loss chunk, and `plan`'s lean plan when it has one): what `plan`, `bench` and `train`
-    pass to load_or_probe / read_cached."""
+    pass to load_or_probe / read_cached. `docs`: packed rows' docs_per_row (None: one document per row, how a
+    packed recipe is priced before its data is read)."""
     from megatrain_cli.engine import kernel_patch
     from megatrain_cli.engine.plan.step_plan import DTYPES
 
     return dict(micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, dtype=DTYPES[r.model.dtype],
                 device=device, kernels=kernel_patch.resolve(r.engine.kernels, device),
-                loss_chunk_tokens=r.engine.loss_chunk_tokens, lean=getattr(plan, "lean", None))
+                loss_chunk_tokens=r.engine.loss_chunk_tokens, lean=getattr(plan, "lean", None),
+                docs_per_row=docs if r.data.packing else None)
 
 
 def read_cached(adapter, *, cache_dir: Path | str | None = None, **shape) -> Probe | None:
@@ -339,8 +350,10 @@ def load_or_probe(adapter=None, *, measure_layer: Callable[..., LayerTiming] | N
             layer = LayerTiming(**cached)
         elif measure_layer is not None and (shape["device"].type != "cuda" or torch.cuda.is_available()):
             if log:
-                log(f"probe: the engine's ops at {shape['micro_batch_size']} x {shape['seq_len']} tokens on "
-                    f"{shape['device'].type} (one layer of each structure)")
+                docs = shape.get("docs_per_row")
+                log(f"probe: the engine's ops at {shape['micro_batch_size']} x {shape['seq_len']} tokens"
+                    f"{'' if docs is None else f' ({docs} packed documents a row)'} on {shape['device'].type} "
+                    f"(one layer of each structure)")
             layer = measure_layer(adapter, **shape)
             data["layers"][key] = asdict(layer)
             measured.append("layer")
