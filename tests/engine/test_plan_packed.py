@@ -13,6 +13,7 @@ import torch
 
 from megatrain_cli.engine.plan import probe as pb
 from megatrain_cli.engine.plan.probe import LayerTiming
+from tests.engine.test_plan_predict import tiny_adapter  # noqa: F401 (the fixture)
 from tests.helpers_bad_inputs import TINY, megatrain
 
 SMALL = dict(tile_bytes=1 << 20, link_bytes=1 << 20, gemm_n=256, reps=1)  # a probe in well under a second
@@ -48,17 +49,6 @@ def test_docs_per_row_is_the_equal_documents_of_the_same_work(seq, docs):
 
 def test_docs_per_row_stays_within_a_row():
     assert pb.docs_per_row(0.0, 128) == 128 and pb.docs_per_row(10 * 128 * 128, 128) == 1
-
-
-@pytest.fixture(scope="module")
-def tiny_adapter():
-    from megatrain_cli.models.adapter import ModelAdapter
-    from megatrain_cli.models.tokenizer import load_tokenizer
-    from megatrain_cli.recipe import load_recipe
-    from megatrain_cli.train.setup import model_config
-
-    r = load_recipe(TINY)
-    return ModelAdapter(model_config(r, load_tokenizer(r.model)))
 
 
 def test_the_probe_times_packed_rows_at_their_documents(tmp_path, tiny_adapter, monkeypatch):
