@@ -80,7 +80,7 @@ def measure(planned, store, engine, run, *, log=print) -> list[BenchResult]:
     for s in range(warmup + steps):
         gen = torch.Generator().manual_seed(s)
         ids = torch.randint(1, vocab, (prompts, prompt_len), generator=gen).tolist()
-        engine.synchronize()
+        engine.synchronize(masters=False)  # as train/grpo.py: the resident state stays on the device
         rollouts = sample(store, dev, _NoText(), ids, g.num_generations, sampler, max_new_tokens=g.max_new_tokens,
                           eos_ids=[], pad_id=0, stop=[], engine=engine)
         t0 = time.perf_counter()

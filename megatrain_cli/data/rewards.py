@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,11 +85,15 @@ def score(rewards: list[tuple[str, RewardFn]], prompt: str, completion: str,
         except Exception as err:  # a user's function: any error is reported, never a crash of the run
             problems.append(RewardProblem(name, example.record, prompt, f"raised {type(err).__name__}: {err}"))
             continue
-        if not isinstance(value, numbers.Real):  # int, float, bool, numpy's scalars
+        try:  # int, float, bool, numpy's scalars and bools; an int past float's range is reported, not raised
+            number = None if isinstance(value, str) or not hasattr(value, "__float__") else float(value)
+        except (OverflowError, TypeError, ValueError):
+            number = math.inf
+        if number is None:
             what = f"returned a {type(value).__name__} ({value!r:.40}), not a number"
             problems.append(RewardProblem(name, example.record, prompt, what))
-        elif not math.isfinite(value):
-            problems.append(RewardProblem(name, example.record, prompt, f"returned {value}"))
+        elif not math.isfinite(number):
+            problems.append(RewardProblem(name, example.record, prompt, f"returned {value!r:.40}"))
         else:
-            total += float(value)
+            total += number
     return (math.nan if problems else total), problems

@@ -126,18 +126,22 @@ def stopping_rules(eos_ids: list[int], stop_criteria: list):
     return StoppingCriteriaList([EosTokenCriteria(eos_ids), *stop_criteria])
 
 
-def _finish(tokenizer, new_ids: list[int], eos_ids: list[int], pad_id: int, stop: list[str]) -> Generation:
+def _finish(tokenizer, new_ids: list[int], eos_ids: list[int], pad_id: int, stop: list[str],
+            length: int | None = None) -> Generation:
     """Cut one row's new ids at eos, decode, and cut the text at the first stop string.
 
-    Rows that finish early are filled with pad ids by `generate`; those are not the model's tokens.
+    Rows that finish early are filled with pad ids by `generate`; those are not the model's tokens. `length`:
+    how many the model produced, where the decoder counted them (StreamedModel.decode_batch): the ids past it
+    are filler even when the pad id is an eos id.
     """
+    new_ids = new_ids if length is None else new_ids[:length]
     end = len(new_ids)
     for j, t in enumerate(new_ids):
         if t in eos_ids:
             end = j + 1
             break
     ids = new_ids[:end]
-    while ids and ids[-1] == pad_id and pad_id not in eos_ids:
+    while length is None and ids and ids[-1] == pad_id and pad_id not in eos_ids:
         ids.pop()
     text = tokenizer.decode(ids, skip_special_tokens=True)
     for s in stop:

@@ -132,12 +132,14 @@ class StreamedModel:
         """New ids for one left-padded batch (on the host), rows that ended early filled with pad ids:
         the same contract, and the same ids, as `generate.hf_greedy_batch`."""
         return self.decode_batch(input_ids, attention_mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
-                                 pad_id=pad_id, stop_criteria=stop_criteria, pick=greedy)
+                                 pad_id=pad_id, stop_criteria=stop_criteria, pick=greedy)[0]
 
     def decode_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
-                     eos_ids: list[int], pad_id: int, stop_criteria: list, pick) -> torch.Tensor:
+                     eos_ids: list[int], pad_id: int, stop_criteria: list, pick) -> tuple[torch.Tensor, torch.Tensor]:
         """greedy_batch's decoding with the next ids chosen by `pick` ([B, V] logits -> [B] ids: `greedy`, or a
-        generate.Sampler for GRPO's rollouts)."""
+        generate.Sampler for GRPO's rollouts): (the new ids, each row's own count of them), on the host. The
+        count, not the ids, says where a row ended: a row stopped by a stop string is filled with pad ids, which
+        are the eos id where a tokenizer has no pad token of its own."""
         batch, width = input_ids.shape
         done_rule = stopping_rules(eos_ids, stop_criteria)
         # The last new token is never fed back, so the cache needs width + max_new_tokens - 1 columns.
@@ -148,6 +150,7 @@ class StreamedModel:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0).to(self.device)
         sequences = input_ids.to(self.device)
         unfinished = torch.ones(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.zeros(batch, dtype=torch.int64, device=self.device)
         padded = not bool(attention_mask.all())  # new columns are never padding
         step_ids, q_start = input_ids, 0
         for step in range(max_new_tokens):
@@ -159,13 +162,14 @@ class StreamedModel:
             next_ids = pick(logits[:, -1])
             next_ids = torch.where(unfinished, next_ids, torch.full_like(next_ids, pad_id))
             sequences = torch.cat([sequences, next_ids[:, None]], dim=1)
+            lengths += unfinished  # a token picked while the row ran is the model's own
             unfinished &= ~done_rule(sequences, None)
             if not bool(unfinished.any()):
                 break
             step_ids = next_ids[:, None].cpu()
             positions = positions[:, -1:] + 1
             q_start += q_len
-        return sequences[:, width:].cpu()
+        return sequences[:, width:].cpu(), lengths.cpu()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         # Gathering fp32 rows and then casting gives the values an embedding held in the compute dtype would;

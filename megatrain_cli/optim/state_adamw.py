@@ -27,7 +27,11 @@ import torch
 
 from megatrain_cli.store.moments import BLOCK, decode_int8, encode_int8, sqrt_rn, stochastic_bf16
 
-CHUNK = BLOCK << 18  # 16 M elements per pass of torch ops (a multiple of the int8 block)
+# 8 M elements per pass of torch ops (a multiple of the int8 block): ~100 bytes of temporaries an element are
+# alive at the peak (the fp32 p, g, m, v, their results, the int64 hashes of the rounding), 832 MiB a chunk
+# (engine/plan/memory.py counts them for resident layers).
+CHUNK = BLOCK << 17
+LIVE_BYTES = 104  # per element of a chunk, at the peak
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,10 @@ class StepConsts:
 
 def _divisors(k: StepConsts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The two scalar divisors as fp32 tensors on the device: CUDA divides by a host scalar as a multiply by
-    its reciprocal (another rounding), by a device tensor truly."""
-    return (torch.tensor(k.inv_clip, dtype=torch.float32, device=device),
-            torch.tensor(k.bc2s, dtype=torch.float32, device=device))
+    its reciprocal (another rounding), by a device tensor truly. Filled on the device (a fill kernel takes the
+    value as its argument): torch.tensor would copy from pageable memory, a host wait per tile."""
+    return (torch.full((), k.inv_clip, dtype=torch.float32, device=device),
+            torch.full((), k.bc2s, dtype=torch.float32, device=device))
 
 
 def adam_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, k: StepConsts,
@@ -98,6 +103,7 @@ def update_state(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
         outs = [adam_math(p[a:z], g[a:z], m[a:z], v[a:z], k, decays, div)
                 for a, z, decays in ((0, cut, True), (cut, hi - lo, False)) if z > a]
         p, m, v, root = (torch.cat([o[j] for o in outs]) for j in range(4))
+        del outs  # their halves, before the rounding's temporaries
         master[lo:hi].copy_(p)  # a bf16 master: round to nearest even
         if moments == "bf16":
             exp_avg[lo:hi].copy_(stochastic_bf16(m, key_m, origin + lo))

@@ -169,7 +169,8 @@ class GRPOConfig:
     top_p: float = doc("Nucleus sampling: the smallest set of tokens whose probability reaches top_p, in (0, 1]; "
                        "1 samples from the whole distribution.", 1.0)
     epsilon: float = doc("The ratio clip of the objective: min(r A, clip(r, 1 - epsilon, 1 + epsilon) A) (TRL's "
-                         "GRPOConfig.epsilon).", 0.2)
+                         "GRPOConfig.epsilon). With one policy update per batch of rollouts (what runs: TRL's "
+                         "num_iterations 1) the ratio is 1 and nothing clips, so it changes nothing yet.", 0.2)
     beta: float = doc("The weight of the KL term to the initial policy (k3 estimator); 0 (TRL's default) runs no "
                       "reference pass. > 0: the initial weights' log-probs of every completion, from a streamed pass "
                       "over a host copy of them (4 bytes/param more host memory, no second copy on the device).",

@@ -4,7 +4,7 @@ a checkpoint keeps of them.
 `prepare` reads the prompts (data/rollout_prompts.py) and imports the rewards before anything is written (every
 refusal exit 2). The run then stands where the loop's training rows stand: `next_step` draws the step's prompts
 (a seeded, resumable order; train.micro_batch_size x train.grad_accum / grpo.num_generations of them), samples grpo.num_generations completions of each from the weights the trainer holds
-now (train/rollout.py), scores them (methods/rewards.py), turns the rewards into group-relative advantages
+now (train/rollout.py), scores them (data/rewards.py), turns the rewards into group-relative advantages
 (methods/grpo.py) and hands back the micro-batches the engine trains on, in one backward; `state_dict` is the
 prompt order's position and the sampler generator's state, so a resumed run samples what the uninterrupted one
 would. With grpo.beta > 0 each step's completions are also scored by the initial weights (`InitialPolicy`).
@@ -54,16 +54,23 @@ class GRPORun:
         return math.ceil(len(self.prompts) / self.prompts_per_step)
 
     def state_dict(self) -> dict:
-        state = self.bound["sampler"].generator.get_state()
-        return {"order": self.order.state_dict(), "sampler": base64.b64encode(state.numpy().tobytes()).decode()}
+        generator = self.bound["sampler"].generator
+        return {"order": self.order.state_dict(), "sampler_device": generator.device.type,
+                "sampler": base64.b64encode(generator.get_state().numpy().tobytes()).decode()}
 
     def load_state_dict(self, state: dict) -> None:
         if "sampler" not in state:
             raise TrainingError("the checkpoint holds no GRPO state (written by another train.method): resume a GRPO "
                                 "run's checkpoint, or start without checkpoint.resume", 2)
         self.order.load_state_dict(state["order"])
+        generator = self.bound["sampler"].generator
+        written = state.get("sampler_device", generator.device.type)
+        if written != generator.device.type:  # a CUDA generator's state is not a CPU one's (set_state raises)
+            raise TrainingError(f"the checkpoint's rollout sampler ran on {written}, this run samples on "
+                                f"{generator.device.type}: resume with engine.device={written} (the sampled "
+                                f"completions continue exactly only there)", 2)
         raw = bytearray(base64.b64decode(state["sampler"]))
-        self.bound["sampler"].generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
+        generator.set_state(torch.frombuffer(raw, dtype=torch.uint8).clone())
 
     def describe(self) -> str:
         g = self.r.grpo

@@ -7,8 +7,8 @@ through the eval's layer feed from their masters (on the CPU in place; on CUDA c
 step, never pinned up front, since the weights change every step); the final norm and LM head are copied to
 the device once per call, or read in place too when the head is resident. So a rollout always sees the weights
 of the step before it and nothing is reloaded between generating and training. The caller lands pending host
-updates first (`engine.synchronize(masters=False)`): the resident state stays on the device, not copied home. The caller brings pending host updates home first
-(`engine.synchronize()`). Every prompt is repeated G times and all of them decode as one left-padded batch, one
+updates first (`engine.synchronize(masters=False)`): the resident state stays on the device, not copied home.
+Every prompt is repeated G times and all of them decode as one left-padded batch, one
 KV cache preallocated for the longest row; the next token is drawn by a generate.Sampler (temperature, top-p,
 a seeded generator whose state the checkpoint keeps).
 """
@@ -96,11 +96,11 @@ def sample(store, device: torch.device, tokenizer, prompt_ids: list[list[int]], 
     input_ids, mask = left_pad(repeated, pad_id)
     criteria = [StopOnStrings(tokenizer, stop, input_ids.shape[1])] if stop else []
     with torch.inference_mode():
-        new = model.decode_batch(input_ids, mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id,
-                                 stop_criteria=criteria, pick=sampler)
+        new, lengths = model.decode_batch(input_ids, mask, max_new_tokens=max_new_tokens, eos_ids=eos_ids,
+                                          pad_id=pad_id, stop_criteria=criteria, pick=sampler)
     completions, texts = [], []
-    for row in new.tolist():
-        generation = _finish(tokenizer, row, eos_ids, pad_id, stop)
+    for row, length in zip(new.tolist(), lengths.tolist()):
+        generation = _finish(tokenizer, row, eos_ids, pad_id, stop, length)
         completions.append(row[:generation.new_tokens])
         texts.append(generation.text)
     return Rollouts(repeated, completions, texts, time.perf_counter() - t0)

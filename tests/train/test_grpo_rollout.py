@@ -167,3 +167,51 @@ def test_resident_layers_are_read_in_place_and_sample_what_the_masters_would():
     engine.synchronize()  # the masters home: now a feed of the masters alone samples what the rollout did
     assert in_place.completion_ids == run().completion_ids != stale.completion_ids
     engine.close()
+
+
+def test_a_row_stopped_by_a_stop_string_ends_there_when_the_pad_id_is_the_eos_id():
+    """Rows a stop string ended are filled with pad ids; a tokenizer without a pad token of its own pads with
+    eos: the completion (what is trained on) ends at the model's last own token, not at a filler eos."""
+    from megatrain_cli.eval.generate import StopOnStrings, left_pad
+    from megatrain_cli.eval.streamed import StreamedModel
+    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.models.tokenizer import load_bundled_tokenizer
+    from megatrain_cli.train.rollout import sample
+    from tests.reference import tiny_config
+
+    tok = load_bundled_tokenizer()
+    store = build_store(tiny_config(vocab=len(tok), layers=1), torch.float32, seed=3)
+    stop_ids = tok("\nQ", add_special_tokens=False)["input_ids"]
+    script = [tok("7", add_special_tokens=False)["input_ids"][0], *stop_ids, 11, 12, 13, 14, 15, 16]
+
+    class Scripted:  # row 0 writes '7' then the stop string; row 1 never stops
+        step = 0
+
+        def __call__(self, logits):
+            ids = torch.tensor([script[self.step], 20 + self.step])
+            self.step += 1
+            return ids
+
+    eos = tok.eos_token_id
+    prompt = tok("Question: 3 + 4?\nAnswer: ")["input_ids"]
+    new, lengths = StreamedModel(store, torch.device("cpu")).decode_batch(
+        *left_pad([prompt, prompt], eos), max_new_tokens=8, eos_ids=[eos], pad_id=eos,
+        stop_criteria=[StopOnStrings(tok, ["\nQ"], len(prompt))], pick=Scripted())
+    assert lengths.tolist() == [1 + len(stop_ids), 8]
+    assert new[0, :lengths[0]].tolist() == script[:1 + len(stop_ids)] and (new[0, lengths[0]:] == eos).all()
+    out = sample(store, torch.device("cpu"), tok, [prompt], 2, Scripted(), max_new_tokens=8, eos_ids=[eos],
+                 pad_id=eos, stop=["\nQ"])
+    assert out.completion_ids[0] == script[:1 + len(stop_ids)] and out.texts[0] == "7"
+    assert out.completion_ids[1] == list(range(20, 28))
+
+
+def test_a_reward_past_floats_range_or_of_numpys_types_is_scored_not_raised():
+    """score() is called on a user's values: an int past float's range is reported (it raised OverflowError
+    outside the reward's own try), numpy's bools and floats are numbers."""
+    import numpy as np
+
+    ex = _Ex("4", record=7)
+    for value, total in [(np.bool_(True), 1.0), (np.float32(0.5), 0.5), (True, 1.0), (3, 3.0)]:
+        assert score([("r", lambda p, c, e, v=value: v)], "p", "c", ex) == (total, [])
+    got, problems = score([("r", lambda p, c, e: 10 ** 400)], "p", "c", ex)
+    assert math.isnan(got) and [(x.reward, x.record, x.what[:13]) for x in problems] == [("r", 7, "returned 1000")]

@@ -72,6 +72,34 @@ def test_stopped_mid_run_and_resumed_is_bit_exact(straight, tmp_path, monkeypatc
     assert_same_checkpoint(straight / "step_4", out / "step_4")
 
 
+def test_a_checkpoint_sampled_on_another_device_is_refused_on_resume(straight, tmp_path):
+    """The rollout sampler's generator state is a CUDA or a CPU one (set_state raised a RuntimeError, a
+    traceback): resuming across devices is refused with the device to use, exit 2."""
+    import shutil
+    import zlib
+
+    from typer.testing import CliRunner
+
+    from megatrain_cli.cli import app
+    from tests.helpers_bad_inputs import refused
+
+    out = tmp_path / "run"
+    shutil.copytree(straight / "step_2", out / "step_2")
+    state_file, manifest_file = out / "step_2" / "trainer_state.json", out / "step_2" / "manifest.json"
+    state = json.loads(state_file.read_text())
+    assert state["data"]["sampler_device"] == "cpu"
+    state["data"]["sampler_device"] = "cuda"
+    state_file.write_text(json.dumps(state))
+    manifest = json.loads(manifest_file.read_text())
+    raw = state_file.read_bytes()
+    manifest["files"]["trainer_state.json"].update(crc32=zlib.crc32(raw), bytes=len(raw))
+    manifest_file.write_text(json.dumps(manifest))
+    res = CliRunner().invoke(app, ["train", str(GRPO), f"output_dir={out}", *FAST, "checkpoint.resume=auto"])
+    refused(res, 2, "the checkpoint's rollout sampler ran on cuda, this run samples on cpu: resume with "
+                    "engine.device=cuda")
+    assert sorted(p.name for p in out.iterdir()) == ["step_2"]
+
+
 REWARDS = '''
 import math
 

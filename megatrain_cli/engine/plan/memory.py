@@ -20,7 +20,7 @@ from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_
 from megatrain_cli.engine.transfer.slots import embedding_rows_pinned, transfer_chunk
 from megatrain_cli.machine import available_host_bytes
 from megatrain_cli.models.adapter import ModelAdapter
-from megatrain_cli.optim.state_adamw import CHUNK as STATE_CHUNK
+from megatrain_cli.optim.state_adamw import CHUNK as STATE_CHUNK, LIVE_BYTES as STATE_LIVE_BYTES
 from megatrain_cli.store.moments import BLOCK, MOMENT_DTYPES, block_count
 from megatrain_cli.store.tiles import HostStore
 
@@ -180,8 +180,8 @@ def resident_device_bytes(store: HostStore, n: int, width: int) -> int:
     master = torch.finfo(store.master_dtype).bits // 8
     per_param = resident_bytes_per_param(master, width, width, store.moments)
     scratch = 2 * CAST_CHUNK * 4 if min(width, master) != 4 else 0
-    if store.moments != "fp32":  # optim/state_adamw.py's fp32 temporaries over one chunk (~12 live at once)
-        scratch = max(scratch, 12 * STATE_CHUNK * 4)
+    if store.moments != "fp32":  # optim/state_adamw.py's temporaries over one chunk
+        scratch = max(scratch, STATE_LIVE_BYTES * STATE_CHUNK)
     numel = sum(store.layouts[name].numel for name in [*store.layer_names[:n], "head"])
     return int(numel * per_param) + scratch
 
