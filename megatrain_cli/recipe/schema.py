@@ -120,6 +120,12 @@ class TrainConfig:
         "rates (measured: docs/precision.md). It also turns off engine.speculate_optimizer (a rounded weight "
         "cannot be corrected exactly): every update waits for the step's gradient norm. Needs model.dtype bf16; "
         "a checkpoint resumes only with the setting it was written with.", "fp32")
+    master_rounding: Literal["nearest", "stochastic"] = doc(
+        "How an update's fp32 result is stored in a bf16 master (train.master_weights bf16): 'nearest' (round to "
+        "nearest even: an update below half a bf16 step of its weight is lost) or 'stochastic' (rounded up with "
+        "probability (dropped part) / (one bf16 step), so small updates survive on average; the random bits a "
+        "hash of train.seed, tile, step and element: runs and resumes reproduce bit for bit). Host and "
+        "resident layers alike (docs/precision.md).", "nearest")
     optimizer_state: Literal["fp32", "bf16", "int8"] = doc(
         "Adam moments on the host (and on the device for resident layers): 'fp32' (8 bytes/param, torch's AdamW "
         "bit for bit), 'bf16' (4: written back with stochastic rounding seeded by train.seed), 'int8' (~2.03: "
