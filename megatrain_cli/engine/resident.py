@@ -99,6 +99,7 @@ class ResidentLayers:
             self._state[name] = _State(master, dev(t.exp_avg), dev(t.exp_avg_sq), weights,
                                        torch.zeros(master.numel(), dtype=t.grad.dtype, device=self.device), t.step,
                                        dev(t.exp_avg_exp), dev(t.exp_avg_sq_exp))
+            self.store.settle(name)  # a disk tier's pages read for the copy leave host memory again
 
     def release(self) -> None:
         """Drop the device state without bringing it home (nothing updated it since `load`: a forward-only
@@ -116,6 +117,7 @@ class ResidentLayers:
             t.exp_avg_exp.copy_(s.exp_avg_exp)
             t.exp_avg_sq_exp.copy_(s.exp_avg_sq_exp)
             t.step = s.step
+            self.store.settle(name)
 
     def weights(self, tile: str) -> torch.Tensor:
         return self._state[tile].weights

@@ -103,7 +103,9 @@ def resolve_kernel(kernel: str = "auto") -> str:
 
 
 class HostAdamW:
-    def __init__(self, cfg: TrainConfig, kernel: str = "auto", defer_moments: bool = True):
+    def __init__(self, cfg: TrainConfig, kernel: str = "auto", defer_moments: bool = True, tier=None):
+        """`tier`: the store's disk tier (store/disk.py), told before and after each tile's update; with one,
+        `update` is the only pass over a tile's state (no deferred moments)."""
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         self.eps = cfg.eps
         self.weight_decay = cfg.weight_decay
@@ -117,7 +119,9 @@ class HostAdamW:
             from megatrain_cli.optim import adamw_cpp
 
             self._cpp = adamw_cpp
-        self.defer_moments = bool(defer_moments) and self._cpp is not None and cfg.optimizer_state == "fp32"
+        self.tier = tier
+        self.defer_moments = (bool(defer_moments) and self._cpp is not None and cfg.optimizer_state == "fp32"
+                              and tier is None)
 
     def _fused(self, master, grad, m, v, step: float, lr: float, wd: float, clip: float) -> None:
         torch._fused_adamw_(
@@ -274,7 +278,17 @@ class HostAdamW:
                                      tile.exp_avg_sq[start:end], beta1=self.beta1, beta2=self.beta2, clip=clip)
 
     def update(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
-        """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is)."""
+        """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is). With a disk tier
+        the tile's state is read ahead before (waited for here) and written behind after."""
+        if self.tier is None:
+            return self._update(tile, lr, clip)
+        self.tier.before(tile.name)
+        try:
+            self._update(tile, lr, clip)
+        finally:
+            self.tier.after(tile.name)
+
+    def _update(self, tile: Tile, lr: float, clip: float) -> None:
         if tile.moments != "fp32":
             return self._update_state(tile, lr, clip)
         step = float(tile.step + 1)

@@ -244,6 +244,23 @@ class EngineConfig:
 
 
 @dataclass
+class StoreConfig:
+    disk: Optional[str] = doc(
+        "A folder on a local disk (an NVMe) for the disk tier: part of the optimizer state (store.disk_state) lives "
+        "in per-layer files there, read ahead of the host AdamW and written behind it on their own threads, so "
+        "the host holds a few layers of it at a time. The files are scratch (removed when the run ends, killed or "
+        "not; checkpoints are unchanged and resume with or without the tier). Needs free space for that state; "
+        "docs/precision.md prices it. null: all state in host memory.", None)
+    disk_state: Literal["auto", "moments", "moments+masters"] = doc(
+        "What the disk tier holds: 'moments' (the Adam moments: read and written once a step, by the update), "
+        "'moments+masters' (the master weights too: also read by every layer transfer, through the page cache), "
+        "or 'auto': none while the host holds everything, else the least of the two that fits the host "
+        "(engine.memory_fallback on; the plan says which). Needs store.disk.", "auto")
+    disk_in_flight: int = doc("Layers the disk tier reads ahead of the host AdamW (>= 1): what it holds in host "
+                              "memory is about this many layers' state plus those being written behind.", 2)
+
+
+@dataclass
 class CheckpointConfig:
     every_n_steps: Optional[int] = doc("Write a resumable checkpoint every N steps (>= 1); null: only at the "
                                        "end (every run ends with one, which `megatrain export` reads).", None)
@@ -323,6 +340,7 @@ class Recipe:
     grpo: GRPOConfig = doc("GRPO's settings (train.method grpo): sampling, the objective, the rewards.",
                            factory=GRPOConfig)
     engine: EngineConfig = doc("How layers stream.", factory=EngineConfig)
+    store: StoreConfig = doc("Where the training state lives beside host memory: the disk tier.", factory=StoreConfig)
     checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
     logging: LoggingConfig = doc("Metrics and the live view.", factory=LoggingConfig)
     eval: EvalConfig = doc("Held-out exact-match eval.", factory=EvalConfig)
