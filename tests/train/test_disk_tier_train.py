@@ -164,3 +164,26 @@ def test_plan_command_shows_the_tier(tmp_path):
     assert "disk tier: the predicted" in out and "GiB/s of disk I/O" in out
     refused(megatrain("plan", TINY, "--probe-cache", tmp_path, f"store.disk={tmp_path / 'none'}"), 2,
             "store.disk:", "does not exist")
+
+
+@pytest.mark.parametrize("name,host_gib,per_param,disk_gib", [("qwen14b", 120, 6.03, 0.0), ("qwen32b", 238, 6.00, 62)])
+def test_the_big_recipes_fit_their_hosts(tmp_path, monkeypatch, capsys, name, host_gib, per_param, disk_gib):
+    """recipes/qwen14b.yaml: the whole 14B on the 125 GiB H200 host (bf16 masters, int8 moments); qwen32b.yaml:
+    256 GB of host and int8 moments in the disk tier. The dry run says so on a host of that size."""
+    from megatrain_cli.train import preflight
+    from tests.engine.test_rebuild import fake_host
+
+    fake_host(monkeypatch, tmp_path, host_gib * 2**30)
+    monkeypatch.setattr(preflight, "free_bytes", lambda path: 2**42)  # the checkpoints' and the tier's disks
+    preset = {"qwen14b": "14b", "qwen32b": "32b"}[name]
+    r = load_recipe(ROOT / "recipes" / f"{name}.yaml", ["model.path=null", f"model.preset={preset}",
+                                                        f"output_dir={tmp_path / 'out'}", f"store.disk={tmp_path}"])
+    assert run_training(r, dry_run=True) == 0
+    text = capsys.readouterr().out
+    tiles = text.split("host, pageable (the tiles)")[1].split("host, pinned")[0]
+    assert next(ln for ln in tiles.splitlines() if "total" in ln).split()[3] == f"{per_param:.2f}"
+    assert "verdict for this machine: fits" in text
+    if disk_gib:
+        table = text.split("disk tier (store.disk:")[1].split("device, peak")[0]
+        total = float(next(ln for ln in table.splitlines() if "total" in ln).split()[1])
+        assert total == pytest.approx(disk_gib, abs=1)
