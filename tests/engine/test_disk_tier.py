@@ -34,6 +34,7 @@ def _train(tmp_path, state: str | None, moments: str = "fp32", master=torch.floa
     for s, mbs in enumerate(batches):
         eng.step(mbs, lr_at(s, cfg, STEPS))
         if tier is not None:
+            eng.synchronize(masters=False)  # the optimizer thread's updates of the step done (it runs them late)
             tier.drain()  # the step's writes behind it: what is left in memory is the next step's read-ahead
             held.append(tier.resident_bytes())
     eng.close()
