@@ -39,6 +39,7 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
         check_model_dir(r.model.path, "model.path", r.model.trust_remote_code)
     if r.model.tokenizer is not None and not Path(r.model.tokenizer).is_dir():
         raise TrainingError(f"model.tokenizer: {r.model.tokenizer} is not a folder", 2)
+    preflight.check_tier_folder(r.store.disk)
     tokenizer = load_tokenizer(r.model)
     config = preflight.read_model_config(r, tokenizer)
     # As a dry run: plan for the recipe's device even on a machine without it (the GPU parts are unknown).
@@ -83,7 +84,15 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
     from megatrain_cli.engine.plan.memory import host_state_line
     from megatrain_cli.store.tiles import MASTER_DTYPES
 
-    print(host_state_line(adapter, shape["dtype"], MASTER_DTYPES[r.train.master_weights], r.train.optimizer_state))
+    disk_state = as_written.disk_state if as_written is not None else None
+    print(host_state_line(adapter, shape["dtype"], MASTER_DTYPES[r.train.master_weights], r.train.optimizer_state,
+                          disk_state))
+    if disk_state is not None:  # the tier's I/O against a probe of store.disk, beside the chosen plan's step
+        from megatrain_cli.engine.plan.disk_tier import report
+
+        best = preds[0] if preds else None
+        for line in report(as_written.memory, disk_state, r.store.disk, best.total if best else None)[0]:
+            print(line)
     if r.train.method != "sft" and as_written is not None:  # the method, its pair layout, its reference pass
         from megatrain_cli.train.predicted import method_lines
 

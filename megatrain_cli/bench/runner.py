@@ -111,7 +111,7 @@ def build(planned: Planned, *, store: HostStore | None = None, dist=None, prefix
     allocator = lean_allocator(device) if planned.plan.lean is not None else ""
     t0 = time.perf_counter()
     if store is None:
-        store = build_store(r, planned.config, dist)
+        store = build_store(r, planned.config, dist, planned.plan.disk_state)
     where = f" on rank 0 of {dist.world}" if dist is not None else ""
     log(f"{prefix} host store ready: {store.num_params() / 1e9:.2f} B params, {store.host_bytes() / GiB:.1f} GiB"
         f"{where}, init {time.perf_counter() - t0:.1f} s")

@@ -82,6 +82,7 @@ def _save(store, output_dir: Path, step: int, trainer_state: dict, keep_last_n: 
                 rel = f"tiles/rank{rank}/{name}.safetensors"
                 tiles.append({"name": name, "file": rel, "shard": store.shards[name].shard,
                               **write_tile(tile, tmp / rel)})
+                store.settle(name)  # a disk tier's pages read for it leave memory again
                 event("tile_written", name)
             fsync_dir(mine)
     except CheckpointError as e:
@@ -132,6 +133,7 @@ def load_rank(store, path: Path, manifest: dict[str, Any]) -> None:
         for entry in entries:
             read_tile(store.tiles[entry["name"]], path / entry["file"], entry, SECTIONS,
                       manifest_master_dtype(manifest))
+            store.settle(entry["name"])
             store.tiles[entry["name"]].step = int(entry["step"])
         return
     load_resharded(store, path, manifest, SECTIONS)

@@ -41,6 +41,7 @@ def save_checkpoint(store: HostStore, output_dir: str | Path, step: int, trainer
         for name, tile in store.tiles.items():
             rel = f"tiles/{name}.safetensors"
             tiles.append({"name": name, "file": rel, **write_tile(tile, tmp / rel)})
+            store.settle(name)  # a disk tier's pages read for it leave memory again
             event("tile_written", name)
         files = write_side_files(tmp, store, state_bytes, tokenizer, source_dir)
         fsync_dir(tmp / "tiles")
@@ -57,6 +58,7 @@ def load_whole(store: HostStore, path: Path, manifest: dict[str, Any], sections:
     master = manifest_master_dtype(manifest)
     for entry in manifest["tiles"]:
         read_tile(store.tiles[entry["name"]], path / entry["file"], entry, sections, master)
+        store.settle(entry["name"])  # what it wrote into a disk tier goes there now, not all at the end
     if "exp_avg" in sections:  # step counts only mean something together with the moments
         for entry in manifest["tiles"]:
             store.tiles[entry["name"]].step = int(entry["step"])

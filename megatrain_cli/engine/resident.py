@@ -19,7 +19,9 @@ result does not depend on which layers are resident beyond the device's own fp32
 
 bf16 or int8 moments (train.optimizer_state) stay in their format on the device too (2 + 2 or ~1 + 1 bytes
 instead of 4 + 4) and take optim/state_adamw.py's update, which is the C++ host kernel's to the bit (one
-pass per tile, weight decay on its leading range, stochastic rounding keyed by tile, step and element).
+pass per tile, weight decay on its leading range, stochastic rounding keyed by tile, step and element). bf16
+masters are stored as the host kernel stores them too: to nearest even, or stochastically with the same
+bits (train.master_rounding; state_adamw.store_master).
 
 The host tiles stay the state's home between runs: `load` copies them in before the first step (after
 any resume), `store_home` copies the device state back where the engine promises current host masters
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_cli.optim.state_adamw import StepConsts, update_state
+from megatrain_cli.optim.state_adamw import StepConsts, master_key, store_master, update_state
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.moments import moment_bytes_per_param, sr_key
 from megatrain_cli.store.tiles import HostStore
@@ -66,7 +68,8 @@ class ResidentLayers:
         self._names = frozenset(names)
         self.beta1, self.beta2 = float(train.betas[0]), float(train.betas[1])
         self.eps, self.weight_decay = train.eps, train.weight_decay
-        self.seed = train.seed  # bf16 moments' stochastic rounding, as HostAdamW's
+        self.seed = train.seed  # bf16 moments' and bf16 masters' stochastic rounding, as HostAdamW's
+        self.master_rounding = train.master_rounding
         self._state: dict[str, _State] = {}
         self._scratch: torch.Tensor | None = None
 
@@ -96,6 +99,7 @@ class ResidentLayers:
             self._state[name] = _State(master, dev(t.exp_avg), dev(t.exp_avg_sq), weights,
                                        torch.zeros(master.numel(), dtype=t.grad.dtype, device=self.device), t.step,
                                        dev(t.exp_avg_exp), dev(t.exp_avg_sq_exp))
+            self.store.settle(name)  # a disk tier's pages read for the copy leave host memory again
 
     def release(self) -> None:
         """Drop the device state without bringing it home (nothing updated it since `load`: a forward-only
@@ -113,6 +117,7 @@ class ResidentLayers:
             t.exp_avg_exp.copy_(s.exp_avg_exp)
             t.exp_avg_sq_exp.copy_(s.exp_avg_sq_exp)
             t.step = s.step
+            self.store.settle(name)
 
     def weights(self, tile: str) -> torch.Tensor:
         return self._state[tile].weights
@@ -143,11 +148,12 @@ class ResidentLayers:
             s.step += 1
             decay = self.store.layouts[name].decay_numel
             moments = self.store.tiles[name].moments
+            key_p = master_key(self.master_rounding, s.master, self.seed, name, s.step)
             if moments != "fp32":
                 k = StepConsts.make(s.step, lr, self.beta1, self.beta2, self.eps, self.weight_decay, clip)
                 update_state(s.master, s.grad, s.exp_avg, s.exp_avg_sq, s.exp_avg_exp, s.exp_avg_sq_exp,
                              moments=moments, decay_numel=decay, k=k, key_m=sr_key(self.seed, name, s.step, 0),
-                             key_v=sr_key(self.seed, name, s.step, 1), origin=0)
+                             key_v=sr_key(self.seed, name, s.step, 1), origin=0, key_p=key_p)
                 s.weights.copy_(s.master)
                 continue
             step = torch.tensor(float(s.step), device=self.device)
@@ -159,6 +165,6 @@ class ResidentLayers:
                         [p], [self._widened(s.grad, lo, hi, 1)], [s.exp_avg[lo:hi]], [s.exp_avg_sq[lo:hi]], [],
                         [step], amsgrad=False, lr=lr, beta1=self.beta1, beta2=self.beta2, weight_decay=wd,
                         eps=self.eps, maximize=False, grad_scale=scale, found_inf=None)
-                    if s.master.dtype != torch.float32:
-                        s.master[lo:hi].copy_(p)  # a narrower master (bf16): rounded to nearest even
+                    if s.master.dtype != torch.float32:  # a bf16 master: to nearest even, or stochastically
+                        store_master(s.master[lo:hi], p, key_p, lo)
             s.weights.copy_(s.master)

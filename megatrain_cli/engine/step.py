@@ -76,7 +76,10 @@ class Engine:
         self.moe, self.router = moe_setup(self.adapter.config, self.templates, device)  # None, None if dense
         self.norm_template = self.adapter.make_norm_template()
         self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
-        self.optimizer = HostAdamW(train, kernel=settings.host_adamw, defer_moments=settings.defer_moments)
+        # With a disk tier (store.disk) each tile's state is touched once a step, by one update pass, in the
+        # order the tier reads ahead: no speculation (corrections), no deferred moments (a second pass).
+        tier = store.tier
+        self.optimizer = HostAdamW(train, kernel=settings.host_adamw, defer_moments=settings.defer_moments, tier=tier)
         names = store.layer_names[:max(0, plan.resident_layers)]  # none: an empty set, every tile streamed
         self.resident = ResidentLayers(store, [*names, "head"] if names else [], device, self.dtype, train)
         self.worker = None
@@ -88,7 +91,8 @@ class Engine:
                                    and self.dtype == torch.bfloat16 and dist is None)
             held = frozenset([*store.layer_names, "head"]) if self.update_on_read else frozenset()
             self.worker = OptimizerWorker(self.optimizer, store, forward_order=self.update_order(),
-                                          max_grad_norm=train.max_grad_norm, speculate=settings.speculate_optimizer,
+                                          max_grad_norm=train.max_grad_norm,
+                                          speculate=settings.speculate_optimizer and tier is None,
                                           threads=settings.adamw_threads, update_on_read=held)
         else:
             self.optimizer.defer_moments = False  # nothing would run the moments pass
@@ -97,6 +101,8 @@ class Engine:
         self.on_op = None
         # The backward's saved tensors name a streamed weight by its tile; the streamer says where it is now.
         self.redirect = WeightRedirect(lambda tile: self.streamer.resident(tile))
+        if tier is not None:
+            tier.schedule(self.update_order())
         updates = self.worker if self.worker is not None else NO_UPDATES
         self.streamer, self.sink = make_transfers(store, device, self.dtype, settings, updates, self.redirect.bind,
                                                   dist=dist)

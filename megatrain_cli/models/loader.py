@@ -168,9 +168,12 @@ def random_init(store: HostStore, seed: int = 0, threads: int | None = None) -> 
 
 
 def build_store(config, compute_dtype: torch.dtype, *, weights_path: str | Path | None = None,
-                seed: int = 0, master_dtype: torch.dtype | None = None, moments: str = "fp32") -> HostStore:
+                seed: int = 0, master_dtype: torch.dtype | None = None, moments: str = "fp32",
+                tier=None) -> HostStore:
+    """The host store of `config` (`tier`: a store/disk.DiskTier holding part of each tile), its weights read or
+    drawn, its optimizer state zero."""
     adapter = ModelAdapter(config)
-    store = HostStore(adapter, compute_dtype, master_dtype=master_dtype, moments=moments)
+    store = HostStore(adapter, compute_dtype, master_dtype=master_dtype, moments=moments, tier=tier)
     if weights_path is not None:
         load_weights(store, weights_path)
     else:
@@ -181,12 +184,12 @@ def build_store(config, compute_dtype: torch.dtype, *, weights_path: str | Path 
 
 def build_sharded_store(config, compute_dtype: torch.dtype, rank: int, world: int, *,
                         weights_path=None, seed: int = 0, cpu_group=None,
-                        master_dtype: torch.dtype | None = None, moments: str = "fp32") -> ShardedHostStore:
+                        master_dtype: torch.dtype | None = None, moments: str = "fp32", tier=None) -> ShardedHostStore:
     """build_store for one rank: safetensors tensor by tensor (each rank keeps its part), or the
     same random init as one process (each tile is drawn whole, one at a time, and sliced), so a sharded
     run starts from exactly the weights of a single-process run with the same seed."""
     store = ShardedHostStore(ModelAdapter(config), compute_dtype, rank, world, cpu_group=cpu_group,
-                             master_dtype=master_dtype, moments=moments)
+                             master_dtype=master_dtype, moments=moments, tier=tier)
     if weights_path is not None:
         load_weights(store, weights_path)
     else:

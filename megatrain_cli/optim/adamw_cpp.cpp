@@ -1,6 +1,7 @@
 // The host AdamW kernel: torch's fused CPU AdamW, one pass over each flat section, reading bf16
 // gradients directly; the weights are fp32 masters, or bf16 ones (train.master_weights: widened in
-// registers, the update computed in fp32, the new weight stored rounded to nearest even). Loaded (compiled at first use) by adamw_cpp.py, whose docstring says what each
+// registers, the update computed in fp32, the new weight stored rounded to nearest even, or stochastically
+// with train.master_rounding: the bits of rounding.h, keyed per tile and step, indexed by element). Loaded (compiled at first use) by adamw_cpp.py, whose docstring says what each
 // entry point computes and costs, and how it stays bit-identical to torch._fused_adamw_.
 // Every entry point releases the GIL while it runs, as torch's own ops do: the optimizer worker thread
 // runs it beside the training thread.
@@ -13,6 +14,8 @@
 #include <immintrin.h>
 #include <type_traits>
 
+#include "rounding.h"
+
 namespace {
 
 constexpr int64_t kUnit = 1024;       // elements per parallel unit (4 KiB of fp32, 64-byte aligned)
@@ -21,6 +24,8 @@ constexpr int64_t kGrainUnits = 64;   // at least 64K elements per thread
 struct Consts {
   float beta2, w1, w1m1, c2, bc2s, eps, neg_step, decay, scale;
   bool small_lerp, wd, scaled;
+  bool sr = false;  // bf16 masters rounded stochastically with `key` (rounding.h); else to nearest even
+  uint32_t key = 0;
 };
 
 Consts make_consts(double step, double lr, double beta1, double beta2, double eps,
@@ -66,9 +71,15 @@ inline uint16_t float_to_bf16(float f) {
   return uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Store a new weight: an fp32 master as it is, a bf16 master rounded as float_to_bf16.
-inline void store_p(float* p, int64_t i, float x) { p[i] = x; }
-inline void store_p(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); }
+// Store a new weight: an fp32 master as it is, a bf16 master rounded as float_to_bf16 or stochastically from
+// the bits of element `at` (its index in the whole tile).
+inline void store_p(float* p, int64_t i, float x, const Consts&, uint32_t) { p[i] = x; }
+inline void store_p(uint16_t* p, int64_t i, float x, const Consts& k, uint32_t at) {
+  p[i] = k.sr ? megatrain::bf16_sr(x, k.key, at) : float_to_bf16(x);
+}
+// The bf16 weight the layer computes with: a bf16 master's stored bits, an fp32 master's cast.
+inline uint16_t emitted(const float*, int64_t, float x) { return float_to_bf16(x); }
+inline uint16_t emitted(const uint16_t* p, int64_t i, float) { return p[i]; }
 
 // ---------------------------------------------------------------- scalar (any CPU; also the tails)
 // kTail: the formula of torch's scalar tail (the last numel % 8 elements of a call), whose build
@@ -76,10 +87,11 @@ inline void store_p(uint16_t* p, int64_t i, float x) { p[i] = float_to_bf16(x); 
 // What an update pass stores: everything (kFull), the weight only (kWeights), the moments only (kMoments).
 enum Mode { kFull = 0, kWeights = 1, kMoments = 2 };
 
-// `out` (kWeights only; nullptr: none): the new weights' bf16 cast is stored there too.
+// `out` (kWeights only; nullptr: none): the new weights' bf16 cast is stored there too. `first`: the index of
+// element 0 in the whole tile (stochastic rounding's bits).
 template <int kMode = kFull, bool kTail = false, typename P, typename G>
-inline void update_scalar(P* p, const G* gp, float* m, float* v, int64_t n, const Consts& k,
-                          uint16_t* out = nullptr) {
+inline void update_scalar(P* p, const G* gp, float* m, float* v, int64_t n, const Consts& k, uint32_t first,
+                          uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) {
     float g = load_g(gp, i);
     if (k.scaled) g = g / k.scale;
@@ -96,8 +108,8 @@ inline void update_scalar(P* p, const G* gp, float* m, float* v, int64_t n, cons
       if (k.wd) pv = pv * k.decay;
       float d = std::sqrt(vv) / k.bc2s + k.eps;
       pv = pv + (k.neg_step * mv) / d;
-      store_p(p, i, pv);
-      if (kMode == kWeights && out != nullptr) out[i] = float_to_bf16(pv);
+      store_p(p, i, pv, k, first + uint32_t(i));
+      if (kMode == kWeights && out != nullptr) out[i] = emitted(p, i, pv);
     }
   }
 }
@@ -139,12 +151,24 @@ __attribute__((target("avx2,fma"))) inline void store_bf16x8(uint16_t* out, __m2
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
 
-__attribute__((target("avx2,fma"))) inline void store8(float* p, __m256 x) { _mm256_storeu_ps(p, x); }
-__attribute__((target("avx2,fma"))) inline void store8(uint16_t* p, __m256 x) { store_bf16x8(p, x); }
+// store_p and emitted, 8 lanes
+__attribute__((target("avx2,fma"))) inline void store8(float* p, __m256 x, const Consts&, uint32_t) {
+  _mm256_storeu_ps(p, x);
+}
+__attribute__((target("avx2,fma"))) inline void store8(uint16_t* p, __m256 x, const Consts& k, uint32_t at) {
+  if (!k.sr) return store_bf16x8(p, x);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(megatrain::bf16_sr8(x, k.key, at),
+                                                                      _mm256_setzero_si256()), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+__attribute__((target("avx2,fma"))) inline void emit8(uint16_t* out, const float*, __m256 x) { store_bf16x8(out, x); }
+__attribute__((target("avx2,fma"))) inline void emit8(uint16_t* out, const uint16_t* p, __m256) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
 
 template <int kMode, typename P, typename G>
 __attribute__((target("avx2,fma"))) void update_avx2(P* p, const G* gp, float* m, float* v,
-                                                    int64_t n, const Consts& k, uint16_t* out = nullptr) {
+                                                    int64_t n, const Consts& k, uint32_t first, uint16_t* out) {
   const __m256 beta2 = _mm256_set1_ps(k.beta2), w1 = _mm256_set1_ps(k.w1), w1m1 = _mm256_set1_ps(k.w1m1);
   const __m256 c2 = _mm256_set1_ps(k.c2), bc2s = _mm256_set1_ps(k.bc2s), eps = _mm256_set1_ps(k.eps);
   const __m256 neg_step = _mm256_set1_ps(k.neg_step), decay = _mm256_set1_ps(k.decay);
@@ -166,11 +190,11 @@ __attribute__((target("avx2,fma"))) void update_avx2(P* p, const G* gp, float* m
       if (k.wd) pv = _mm256_mul_ps(pv, decay);
       __m256 d = _mm256_add_ps(_mm256_div_ps(_mm256_sqrt_ps(vv), bc2s), eps);
       pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(neg_step, mv), d));
-      store8(p + i, pv);
-      if (kMode == kWeights && out != nullptr) store_bf16x8(out + i, pv);
+      store8(p + i, pv, k, first + uint32_t(i));
+      if (kMode == kWeights && out != nullptr) emit8(out + i, p + i, pv);
     }
   }
-  update_scalar<kMode>(p + i, gp + i, m + i, v + i, n - i, k, out == nullptr ? nullptr : out + i);
+  update_scalar<kMode>(p + i, gp + i, m + i, v + i, n - i, k, first + uint32_t(i), out == nullptr ? nullptr : out + i);
 }
 
 template <typename G>
@@ -229,9 +253,10 @@ int64_t vector_numel(int64_t numel, int64_t tail_width) {
   return tail_width > 0 ? numel - numel % tail_width : numel;
 }
 
+// `first`: the index of the section's element 0 in the whole tile (stochastic rounding of bf16 masters).
 template <int kOp>
 void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Tensor& exp_avg_sq,
-         const Consts& k, int64_t n, uint16_t* out = nullptr) {
+         const Consts& k, int64_t n, uint16_t* out = nullptr, uint32_t first = 0) {
   check(master, grad, exp_avg, exp_avg_sq);
   const int64_t numel = master.numel();
   if (numel == 0) return;
@@ -259,8 +284,9 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
             if (avx2) correct_avx2(pp, gg, mm, vv, len, k); else correct_scalar(pp, gg, mm, vv, len, k);
           }
         } else {
-          if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k, oo);
-          else update_scalar<kOp>(pp, gg, mm, vv, len, k, oo);
+          const uint32_t at = first + uint32_t(lo);
+          if (avx2) update_avx2<kOp>(pp, gg, mm, vv, len, k, at, oo);
+          else update_scalar<kOp>(pp, gg, mm, vv, len, k, at, oo);
         }
       };
       if (bf16) pass(static_cast<const uint16_t*>(g) + lo);
@@ -269,8 +295,9 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
     if constexpr (kOp != kCorrect) {
       if (n < numel) {
         uint16_t* ot = out == nullptr ? nullptr : out + n;
-        if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k, ot);
-        else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k, ot);
+        const uint32_t at = first + uint32_t(n);
+        if (bf16) update_scalar<kOp, true>(p + n, static_cast<const uint16_t*>(g) + n, m + n, v + n, numel - n, k, at, ot);
+        else      update_scalar<kOp, true>(p + n, static_cast<const float*>(g) + n, m + n, v + n, numel - n, k, at, ot);
       }
     }
   };
@@ -280,37 +307,46 @@ void run(at::Tensor& master, const at::Tensor& grad, at::Tensor& exp_avg, at::Te
 
 }  // namespace
 
+// key_p >= 0: bf16 masters rounded stochastically with that key, element 0 being element `first` of the tile.
+Consts with_rounding(Consts k, int64_t key_p) {
+  k.sr = key_p >= 0;
+  k.key = uint32_t(key_p);
+  return k;
+}
+
 void adamw_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                   double step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                  double clip, int64_t tail_width) {
+                  double clip, int64_t tail_width, int64_t key_p, int64_t first) {
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
-  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
+  Consts k = with_rounding(make_consts(step, lr, beta1, beta2, eps, weight_decay, clip), key_p);
   pybind11::gil_scoped_release no_gil;  // as torch's own ops: the training thread runs meanwhile
-  run<kFull>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
+  run<kFull>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width), nullptr,
+             uint32_t(first));
 }
 
 void adamw_weights(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                    double step, double lr, double beta1, double beta2, double eps, double weight_decay,
-                   double clip, int64_t tail_width) {
+                   double clip, int64_t tail_width, int64_t key_p, int64_t first) {
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
-  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
+  Consts k = with_rounding(make_consts(step, lr, beta1, beta2, eps, weight_decay, clip), key_p);
   pybind11::gil_scoped_release no_gil;
-  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width));
+  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel(master.numel(), tail_width), nullptr,
+                uint32_t(first));
 }
 
 void adamw_weights_emit(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                         at::Tensor out, double step, double lr, double beta1, double beta2, double eps,
-                        double weight_decay, double clip, int64_t vector_numel) {
+                        double weight_decay, double clip, int64_t vector_numel, int64_t key_p, int64_t first) {
   // adamw_weights over a piece of a section, also storing the new weights' bf16 cast in `out`. The
   // caller says how many leading elements take the vector formula: the rest are in the section's tail.
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kBFloat16 && out.is_contiguous() &&
               out.numel() == master.numel(), "out must be a contiguous bf16 CPU tensor of the same numel");
   TORCH_CHECK(vector_numel >= 0 && vector_numel <= master.numel(), "vector_numel out of range");
-  Consts k = make_consts(step, lr, beta1, beta2, eps, weight_decay, clip);
+  Consts k = with_rounding(make_consts(step, lr, beta1, beta2, eps, weight_decay, clip), key_p);
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   pybind11::gil_scoped_release no_gil;
-  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel, o);
+  run<kWeights>(master, grad, exp_avg, exp_avg_sq, k, vector_numel, o, uint32_t(first));
 }
 
 void adamw_moments(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
@@ -336,7 +372,7 @@ bool uses_avx2() { return has_avx2(); }
 void adamw_state_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                         at::Tensor exp_avg_exp, at::Tensor exp_avg_sq_exp, double step, double lr, double beta1,
                         double beta2, double eps, double weight_decay, double clip, int64_t decay_numel,
-                        int64_t origin, int64_t key_m, int64_t key_v);
+                        int64_t origin, int64_t key_m, int64_t key_v, int64_t key_p);
 
 // The bindings load_inline generated: torch::wrap_pybind_function turns a TORCH_CHECK failure into
 // the Python exception torch's own ops raise.

@@ -36,6 +36,10 @@ Weights: fp32 masters, or bf16 ones (train.master_weights: bf16): every entry po
 takes either. A bf16 weight is widened in registers, updated with the same fp32 operations, and stored
 rounded to nearest even (as torch's cast): bit-identical to "widen, torch._fused_adamw_, copy back"
 (HostAdamW's torch path). The fp32 instantiation is the code that ran before, unchanged.
+With train.master_rounding=stochastic a bf16 weight is stored rounded stochastically instead (`key_p` >= 0:
+store/moments.stochastic_bf16's bits, element i of the passed section being element `first` + i of the
+whole tile; rounding.h holds the hash both C++ files use), and the weights' bf16 copy of
+adamw_weights_emit is the stored master itself.
 
 Vector code: AVX2 + FMA, chosen at run time (__builtin_cpu_supports) through per-function target
 attributes, so the cached build never assumes the CPU it was built on (no -march=native); other
@@ -65,13 +69,14 @@ import torch
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "adamw_cpp.cpp")
 STATE_SOURCE = os.path.join(os.path.dirname(SOURCE), "adamw_state.cpp")  # bf16 / int8 moments
+ROUNDING = os.path.join(os.path.dirname(SOURCE), "rounding.h")  # stochastic rounding, included by both
 
 
 def _name() -> str:
     """The extension's name, with a hash of its sources: builds of other versions (other checkouts on the
     machine) live in other cache directories instead of rebuilding, and racing to load, one another's."""
     h = hashlib.sha256()
-    for path in (SOURCE, STATE_SOURCE):
+    for path in (SOURCE, STATE_SOURCE, ROUNDING):
         with open(path, "rb") as f:
             h.update(f.read())
     return f"megatrain_host_adamw_{h.hexdigest()[:12]}"
@@ -126,23 +131,24 @@ def torch_tail_width() -> int:
 
 
 def update(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,
-           eps: float, weight_decay: float, clip: float = 1.0) -> None:
+           eps: float, weight_decay: float, clip: float = 1.0, key_p: int = -1, first: int = 0) -> None:
     """One AdamW step over one flat section, in place (as torch._fused_adamw_ with
-    grad_scale = 1/clip, but the gradient is read, never written, and may be bf16)."""
+    grad_scale = 1/clip, but the gradient is read, never written, and may be bf16). key_p >= 0: a bf16
+    master rounded stochastically (the module docstring)."""
     load().adamw_update(master, grad, exp_avg, exp_avg_sq, float(step), float(lr), float(beta1),
-                        float(beta2), float(eps), float(weight_decay), float(clip), _TAIL)
+                        float(beta2), float(eps), float(weight_decay), float(clip), _TAIL, int(key_p), int(first))
 
 
 def update_weights(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,
-                   eps: float, weight_decay: float, clip: float = 1.0) -> None:
+                   eps: float, weight_decay: float, clip: float = 1.0, key_p: int = -1, first: int = 0) -> None:
     """The weights `update` would write, from the moments it would write (which are not stored)."""
     load().adamw_weights(master, grad, exp_avg, exp_avg_sq, float(step), float(lr), float(beta1),
-                         float(beta2), float(eps), float(weight_decay), float(clip), _TAIL)
+                         float(beta2), float(eps), float(weight_decay), float(clip), _TAIL, int(key_p), int(first))
 
 
 def update_weights_emit(master, grad, exp_avg, exp_avg_sq, out, *, step: float, lr: float, beta1: float,
                         beta2: float, eps: float, weight_decay: float, clip: float, section_offset: int,
-                        section_numel: int) -> None:
+                        section_numel: int, key_p: int = -1, first: int = 0) -> None:
     """`update_weights` over a piece of one flat section that starts `section_offset` elements into it,
     also storing the new weights' bf16 cast (round to nearest even, as torch's) in `out`. Pieces of a
     section, each updated once, give `update_weights` of the whole section bit for bit: the last
@@ -151,7 +157,7 @@ def update_weights_emit(master, grad, exp_avg, exp_avg_sq, out, *, step: float, 
     tail_start = section_numel - section_numel % _TAIL if _TAIL else section_numel
     vec = min(master.numel(), max(0, tail_start - section_offset))
     module.adamw_weights_emit(master, grad, exp_avg, exp_avg_sq, out, float(step), float(lr), float(beta1),
-                              float(beta2), float(eps), float(weight_decay), float(clip), vec)
+                              float(beta2), float(eps), float(weight_decay), float(clip), vec, int(key_p), int(first))
 
 
 def update_moments(master, grad, exp_avg, exp_avg_sq, *, beta1: float, beta2: float, clip: float = 1.0) -> None:
@@ -161,12 +167,13 @@ def update_moments(master, grad, exp_avg, exp_avg_sq, *, beta1: float, beta2: fl
 
 def update_state(master, grad, exp_avg, exp_avg_sq, exp_avg_exp, exp_avg_sq_exp, *, step: float, lr: float,
                  beta1: float, beta2: float, eps: float, weight_decay: float, clip: float, decay_numel: int,
-                 origin: int, key_m: int, key_v: int) -> None:
+                 origin: int, key_m: int, key_v: int, key_p: int = -1) -> None:
     """One AdamW step over a whole tile whose moments are bf16 or int8 (adamw_state.cpp; the arithmetic of
-    optim/state_adamw.py, bit for bit): weight decay on the leading `decay_numel` elements."""
+    optim/state_adamw.py, bit for bit): weight decay on the leading `decay_numel` elements; key_p >= 0: a
+    bf16 master rounded stochastically."""
     load().adamw_state_update(master, grad, exp_avg, exp_avg_sq, exp_avg_exp, exp_avg_sq_exp, float(step), float(lr),
                               float(beta1), float(beta2), float(eps), float(weight_decay), float(clip),
-                              int(decay_numel), int(origin), int(key_m), int(key_v))
+                              int(decay_numel), int(origin), int(key_m), int(key_v), int(key_p))
 
 
 def correct(master, grad, exp_avg, exp_avg_sq, *, step: float, lr: float, beta1: float, beta2: float,

@@ -1,7 +1,7 @@
 // The host AdamW over bf16 or int8 moments (train.optimizer_state): one pass over a tile, block by block.
 // Each 64-element block's moments are decoded into local fp32 buffers, updated with the formula of
 // state_adamw.py (the same fp32 operations in the same order: no FMA, -ffp-contract=off), the weight
-// stored, and the moments coded back, rounded stochastically from a counter hash (int8: e4m3 codes with a
+// stored (a bf16 master rounded to nearest even, or stochastically: train.master_rounding), and the moments coded back, rounded stochastically from a counter hash (int8: e4m3 codes with a
 // power-of-two scale per block). What the formats are and why: store/moments.py.
 // Vector code: AVX2 over whole blocks (e4m3 decoded and coded by integer ops, the random bits by vector
 // multiplies), decoding in registers, chosen at run time as adamw_cpp.cpp does; scalar C++ elsewhere and
@@ -16,7 +16,12 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "rounding.h"
+
 namespace {
+
+using megatrain::mix32;
+using megatrain::mix32x8;
 
 constexpr int64_t kBlock = 64;        // store/moments.BLOCK
 constexpr int64_t kGrainBlocks = 1024;  // at least 64K elements per thread
@@ -28,10 +33,6 @@ struct StateConsts {
 
 inline uint32_t bits_of(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float float_of(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-
-inline uint32_t mix32(uint32_t x) {  // store/moments.mix32
-  x ^= x >> 16; x *= 0x7FEB352Du; x ^= x >> 15; x *= 0x846CA68Bu; return x ^ (x >> 16);
-}
 
 // e4m3fn bits of |y| <= 448, rounded stochastically by 20 random bits r (store/moments.stochastic_e4m3): above
 // e4m3's subnormals the dropped mantissa bits plus r carry into the kept 3; below, floor(|y| 2^9 + r 2^-20).
@@ -67,8 +68,6 @@ inline uint16_t bf16_rne(float f) {  // as adamw_cpp.cpp's float_to_bf16 (torch'
 }
 inline float load1(const float* p, int64_t i) { return p[i]; }
 inline float load1(const uint16_t* p, int64_t i) { return bf16_float(p[i]); }
-inline void store1(float* p, int64_t i, float x) { p[i] = x; }
-inline void store1(uint16_t* p, int64_t i, float x) { p[i] = bf16_rne(x); }
 
 // What one block's update needs besides its pointers.
 struct BlockArgs {
@@ -76,7 +75,16 @@ struct BlockArgs {
   bool int8;
   int64_t decay_numel;
   uint32_t origin, key_m, key_v;
+  bool sr_master;  // bf16 masters rounded stochastically (train.master_rounding), with key_p
+  uint32_t key_p;
 };
+
+// A new weight stored: an fp32 master as it is; a bf16 one rounded to nearest even, or stochastically from the
+// bits of element origin + i (rounding.h).
+inline void store_master(float* p, int64_t i, float x, const BlockArgs&) { p[i] = x; }
+inline void store_master(uint16_t* p, int64_t i, float x, const BlockArgs& a) {
+  p[i] = a.sr_master ? megatrain::bf16_sr(x, a.key_p, a.origin + uint32_t(i)) : bf16_rne(x);
+}
 
 // ---------------------------------------------------------------- scalar (any CPU; a tile's short last block)
 inline void code_scalar(uint8_t* out, int8_t* exp, const float* x, int64_t n, float absmax, uint32_t key,
@@ -111,7 +119,7 @@ void block_scalar(P* p, const G* gp, int64_t lo, int64_t n, const BlockArgs& a, 
     const float s = std::sqrt(vv);
     float pv = load1(p, lo + i);
     if (lo + i < a.decay_numel) pv = pv * k.decay;
-    store1(p, lo + i, pv + (mv * k.neg_step) / (s / k.bc2s + k.eps));
+    store_master(p, lo + i, pv + (mv * k.neg_step) / (s / k.bc2s + k.eps), a);
     mb[i] = mv; vb[i] = vv; sb[i] = s;
     amax_m = std::max(amax_m, std::fabs(mv));
     amax_s = std::max(amax_s, s);
@@ -124,8 +132,8 @@ void block_scalar(P* p, const G* gp, int64_t lo, int64_t n, const BlockArgs& a, 
   }
   for (int64_t i = 0; i < n; ++i) {  // stochastic rounding: the magnitude carries, the sign bit is untouched
     const uint32_t at = a.origin + uint32_t(lo + i);
-    static_cast<uint16_t*>(a.m)[lo + i] = uint16_t((bits_of(mb[i]) + (mix32(a.key_m ^ at) & 0xFFFFu)) >> 16);
-    static_cast<uint16_t*>(a.v)[lo + i] = uint16_t((bits_of(vb[i]) + (mix32(a.key_v ^ at) & 0xFFFFu)) >> 16);
+    static_cast<uint16_t*>(a.m)[lo + i] = megatrain::bf16_sr(mb[i], a.key_m, at);
+    static_cast<uint16_t*>(a.v)[lo + i] = megatrain::bf16_sr(vb[i], a.key_v, at);
   }
 }
 
@@ -147,12 +155,10 @@ MT_AVX2 inline void store8(uint16_t* p, __m256 x) {  // bf16_rne
   r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0xFFFF), _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
   store_u16x8(p, r);
 }
-MT_AVX2 inline __m256i mix32x8(__m256i x) {
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
-  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
-  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(int(0x846CA68Bu)));
-  return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+MT_AVX2 inline void store_master8(float* p, int64_t i, __m256 x, const BlockArgs&) { _mm256_storeu_ps(p + i, x); }
+MT_AVX2 inline void store_master8(uint16_t* p, int64_t i, __m256 x, const BlockArgs& a) {  // store_master, 8 lanes
+  if (a.sr_master) store_u16x8(p + i, megatrain::bf16_sr8(x, a.key_p, a.origin + uint32_t(i)));
+  else store8(p + i, x);
 }
 MT_AVX2 inline void store_e4m3x8(uint8_t* out, __m256 y, __m256i r) {  // to_e4m3_sr, lane by lane
   __m256i u = _mm256_castps_si256(y);
@@ -228,21 +234,16 @@ MT_AVX2 void block_avx2(P* p, const G* gp, int64_t lo, const BlockArgs& a, const
     const __m256i in_decay = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(decayed - i)), lane);
     pv = _mm256_blendv_ps(pv, _mm256_mul_ps(pv, decay), _mm256_castsi256_ps(in_decay));
     pv = _mm256_add_ps(pv, _mm256_div_ps(_mm256_mul_ps(mv, neg), _mm256_add_ps(_mm256_div_ps(s, bc2s), eps)));
-    store8(p + lo + i, pv);
+    store_master8(p, lo + i, pv, a);
     if (a.int8) {
       _mm256_store_ps(mb + i, mv);
       _mm256_store_ps(sb + i, s);
       amax_m = _mm256_max_ps(amax_m, _mm256_and_ps(mv, abs_mask));
       amax_s = _mm256_max_ps(amax_s, s);
     } else {  // stochastic rounding straight away
-      const __m256i at = _mm256_add_epi32(_mm256_set1_epi32(int(a.origin + uint32_t(lo + i))), lane);
-      const __m256i low16 = _mm256_set1_epi32(0xFFFF);
-      const __m256i nm = _mm256_and_si256(mix32x8(_mm256_xor_si256(_mm256_set1_epi32(int(a.key_m)), at)), low16);
-      const __m256i nv = _mm256_and_si256(mix32x8(_mm256_xor_si256(_mm256_set1_epi32(int(a.key_v)), at)), low16);
-      store_u16x8(static_cast<uint16_t*>(a.m) + lo + i,
-                  _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(mv), nm), 16));
-      store_u16x8(static_cast<uint16_t*>(a.v) + lo + i,
-                  _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(vv), nv), 16));
+      const uint32_t at = a.origin + uint32_t(lo + i);
+      store_u16x8(static_cast<uint16_t*>(a.m) + lo + i, megatrain::bf16_sr8(mv, a.key_m, at));
+      store_u16x8(static_cast<uint16_t*>(a.v) + lo + i, megatrain::bf16_sr8(vv, a.key_v, at));
     }
   }
   if (a.int8) {
@@ -275,7 +276,8 @@ void run_state(P* p, const G* gp, int64_t numel, const BlockArgs& a, const State
 void adamw_state_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, at::Tensor exp_avg_sq,
                         at::Tensor exp_avg_exp, at::Tensor exp_avg_sq_exp, double step, double lr, double beta1,
                         double beta2, double eps, double weight_decay, double clip, int64_t decay_numel,
-                        int64_t origin, int64_t key_m, int64_t key_v) {
+                        int64_t origin, int64_t key_m, int64_t key_v, int64_t key_p) {
+  // key_p: the bf16 masters' stochastic rounding key (train.master_rounding=stochastic); < 0: nearest even
   TORCH_CHECK(clip > 0.0, "clip coefficient must be > 0");
   const int64_t numel = master.numel();
   const bool int8 = exp_avg.scalar_type() == at::kFloat8_e4m3fn;
@@ -296,7 +298,7 @@ void adamw_state_update(at::Tensor master, at::Tensor grad, at::Tensor exp_avg, 
                 float(-(lr / bc1)), float(1 - lr * weight_decay), float(1.0 / clip), clip != 1.0};
   BlockArgs a{exp_avg.data_ptr(), exp_avg_sq.data_ptr(), int8 ? exp_avg_exp.data_ptr<int8_t>() : nullptr,
               int8 ? exp_avg_sq_exp.data_ptr<int8_t>() : nullptr, int8, decay_numel, uint32_t(origin),
-              uint32_t(key_m), uint32_t(key_v)};
+              uint32_t(key_m), uint32_t(key_v), key_p >= 0, uint32_t(key_p)};
   const bool g16 = grad.scalar_type() == at::kBFloat16;
   const void* g = grad.data_ptr();
   table();  // built once, before the threads read it

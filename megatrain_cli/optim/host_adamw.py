@@ -7,7 +7,8 @@ gradient). A bf16 gradient section is widened to fp32 in chunks through a small 
 
 bf16 master weights (train.master_weights: bf16) take the same fp32 math: each chunk of weights is
 widened into a second fp32 scratch buffer, updated there with the fp32 moments, and copied back rounded
-to nearest even. The C++ kernel does it in registers, bit-identical. `correct` and `rollback` refuse
+to nearest even, or stochastically (train.master_rounding: state_adamw.store_master, random bits keyed by
+seed, tile, step and element). The C++ kernel does it in registers, bit-identical. `correct` and `rollback` refuse
 them: both recover the weight before the update from the weight after it, which rounding destroyed
 (worker.py does not speculate with bf16 masters, so they are never needed).
 
@@ -43,7 +44,7 @@ import warnings
 
 import torch
 
-from megatrain_cli.optim.state_adamw import StepConsts, update_state
+from megatrain_cli.optim.state_adamw import StepConsts, master_key, store_master, update_state
 from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.moments import sr_key
 from megatrain_cli.store.tiles import Tile
@@ -102,11 +103,14 @@ def resolve_kernel(kernel: str = "auto") -> str:
 
 
 class HostAdamW:
-    def __init__(self, cfg: TrainConfig, kernel: str = "auto", defer_moments: bool = True):
+    def __init__(self, cfg: TrainConfig, kernel: str = "auto", defer_moments: bool = True, tier=None):
+        """`tier`: the store's disk tier (store/disk.py), told before and after each tile's update; with one,
+        `update` is the only pass over a tile's state (no deferred moments)."""
         self.beta1, self.beta2 = float(cfg.betas[0]), float(cfg.betas[1])
         self.eps = cfg.eps
         self.weight_decay = cfg.weight_decay
-        self.seed = cfg.seed  # stochastic rounding of bf16 moments (store/moments.py)
+        self.seed = cfg.seed  # stochastic rounding of bf16 moments (store/moments.py) and of bf16 masters
+        self.master_rounding = cfg.master_rounding
         self._scratch: torch.Tensor | None = None
         self._weights: torch.Tensor | None = None  # fp32 scratch for a chunk of bf16 masters
         self.kernel = resolve_kernel(kernel)
@@ -115,7 +119,9 @@ class HostAdamW:
             from megatrain_cli.optim import adamw_cpp
 
             self._cpp = adamw_cpp
-        self.defer_moments = bool(defer_moments) and self._cpp is not None and cfg.optimizer_state == "fp32"
+        self.tier = tier
+        self.defer_moments = (bool(defer_moments) and self._cpp is not None and cfg.optimizer_state == "fp32"
+                              and tier is None)
 
     def _fused(self, master, grad, m, v, step: float, lr: float, wd: float, clip: float) -> None:
         torch._fused_adamw_(
@@ -155,19 +161,32 @@ class HostAdamW:
                                "update and cannot be taken back exactly (train.optimizer_state="
                                f"{tile.moments} does not speculate)")
 
+    def _master_key(self, tile: Tile, step: int) -> int | None:
+        """This step's stochastic-rounding key of the tile's bf16 masters; None: stored as they are or rounded
+        to nearest even."""
+        if self.master_rounding == "nearest":
+            return None
+        return master_key(self.master_rounding, tile.master, self.seed, tile.name, step)
+
+    @staticmethod
+    def _cpp_key(key: int | None) -> int:
+        return -1 if key is None else key
+
     def _update_state(self, tile: Tile, lr: float, clip: float) -> None:
         """`update` of a tile with bf16 or int8 moments: one pass over the whole tile."""
         step = tile.step + 1
         keys = dict(key_m=sr_key(self.seed, tile.name, step, 0), key_v=sr_key(self.seed, tile.name, step, 1),
                     origin=tile.origin)
+        key_p = self._master_key(tile, step)
         sections = (tile.master, tile.grad, tile.exp_avg, tile.exp_avg_sq, tile.exp_avg_exp, tile.exp_avg_sq_exp)
         if self._cpp is not None:
             self._cpp.update_state(*sections, step=step, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps,
                                    weight_decay=self.weight_decay, clip=clip, decay_numel=tile.layout.decay_numel,
-                                   **keys)
+                                   key_p=self._cpp_key(key_p), **keys)
         else:
             k = StepConsts.make(step, lr, self.beta1, self.beta2, self.eps, self.weight_decay, clip)
-            update_state(*sections, moments=tile.moments, decay_numel=tile.layout.decay_numel, k=k, **keys)
+            update_state(*sections, moments=tile.moments, decay_numel=tile.layout.decay_numel, k=k, key_p=key_p,
+                         **keys)
         tile.step = step
 
     def _bias_corrections(self, step: int) -> tuple[float, float]:
@@ -225,10 +244,12 @@ class HostAdamW:
         if not self.defer_moments or tile.moments != "fp32":
             raise RuntimeError("update_weights needs defer_moments (the C++ host kernel) and fp32 moments")
         step = float(tile.step + 1)
+        key = self._cpp_key(self._master_key(tile, tile.step + 1))
         for start, end, wd in self._sections(tile):
             self._cpp.update_weights(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
                                      tile.exp_avg_sq[start:end], step=step, lr=lr, beta1=self.beta1,
-                                     beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip)
+                                     beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip, key_p=key,
+                                     first=tile.origin + start)
         tile.step += 1
 
     def update_weights_span(self, tile: Tile, lr: float, clip: float, lo: int, hi: int, out: torch.Tensor) -> None:
@@ -236,13 +257,14 @@ class HostAdamW:
         `out` (hi - lo elements): the update on read of optim/worker.py, which calls it over a tile's
         whole range in pieces and then `count_step` once. Bit-identical to update_weights + a cast."""
         step = float(tile.step + 1)
+        key = self._cpp_key(self._master_key(tile, tile.step + 1))
         for start, end, wd in self._sections(tile):
             a, b = max(lo, start), min(hi, end)
             if a < b:
                 self._cpp.update_weights_emit(
                     tile.master[a:b], tile.grad[a:b], tile.exp_avg[a:b], tile.exp_avg_sq[a:b], out[a - lo:b - lo],
                     step=step, lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip,
-                    section_offset=a - start, section_numel=end - start)
+                    section_offset=a - start, section_numel=end - start, key_p=key, first=tile.origin + a)
 
     @staticmethod
     def count_step(tile: Tile) -> None:
@@ -256,15 +278,27 @@ class HostAdamW:
                                      tile.exp_avg_sq[start:end], beta1=self.beta1, beta2=self.beta2, clip=clip)
 
     def update(self, tile: Tile, lr: float, clip: float = 1.0) -> None:
-        """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is)."""
+        """One AdamW step for every parameter of the tile (reads tile.grad; leaves it as it is). With a disk tier
+        the tile's state is read ahead before (waited for here) and written behind after."""
+        if self.tier is None:
+            return self._update(tile, lr, clip)
+        self.tier.before(tile.name)
+        try:
+            self._update(tile, lr, clip)
+        finally:
+            self.tier.after(tile.name)
+
+    def _update(self, tile: Tile, lr: float, clip: float) -> None:
         if tile.moments != "fp32":
             return self._update_state(tile, lr, clip)
         step = float(tile.step + 1)
+        key = self._master_key(tile, tile.step + 1)
         if self._cpp is not None:
             for start, end, wd in self._sections(tile):
                 self._cpp.update(tile.master[start:end], tile.grad[start:end], tile.exp_avg[start:end],
                                  tile.exp_avg_sq[start:end], step=step, lr=lr, beta1=self.beta1,
-                                 beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip)
+                                 beta2=self.beta2, eps=self.eps, weight_decay=wd, clip=clip,
+                                 key_p=self._cpp_key(key), first=tile.origin + start)
             tile.step += 1
             return
         fp32_master = tile.master.dtype == torch.float32
@@ -279,5 +313,5 @@ class HostAdamW:
                 self._fused(p, self._widened(tile.grad, lo, hi), tile.exp_avg[lo:hi],
                             tile.exp_avg_sq[lo:hi], step, lr, wd, clip)
                 if not fp32_master:
-                    tile.master[lo:hi].copy_(p)  # round to nearest even
+                    store_master(tile.master[lo:hi], p, key, tile.origin + lo)
         tile.step += 1

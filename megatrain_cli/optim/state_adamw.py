@@ -14,7 +14,9 @@ torch's elementwise ops round each op):
 
 (sqrt rounded correctly: store.moments.sqrt_rn), with m, v decoded from their format first and coded back
 after, rounded stochastically (int8: m and sqrt(v) coded per block), and the scalars formed in double and
-rounded to fp32 as make_consts does. The update itself uses the new m and v before they are coded, as 8-bit Adam does. Not torch's fused AdamW
+rounded to fp32 as make_consts does. The update itself uses the new m and v before they are coded, as 8-bit Adam does. A bf16
+master is stored rounded to nearest even, or stochastically (train.master_rounding: `store_master`, the bits
+of store/moments.stochastic_bf16 keyed by `master_key`), as the C++ kernels store it. Not torch's fused AdamW
 (whose lerp and FMAs are tied to its build): the fp32 setting keeps that one.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatrain_cli.store.moments import BLOCK, decode_int8, encode_int8, sqrt_rn, stochastic_bf16
+from megatrain_cli.store.moments import BLOCK, MASTER, decode_int8, encode_int8, sqrt_rn, sr_key, stochastic_bf16
 
 # 8 M elements per pass of torch ops (a multiple of the int8 block): ~100 bytes of temporaries an element are
 # alive at the peak (the fp32 p, g, m, v, their results, the int64 hashes of the rounding), 832 MiB a chunk
@@ -54,6 +56,20 @@ class StepConsts:
         return cls(1 - beta1, beta2, 1 - beta2, math.sqrt(bc2), eps, -(lr / bc1), 1 - lr * weight_decay, 1.0 / clip)
 
 
+def master_key(rounding: str, master: torch.Tensor, seed: int, tile: str, step: int) -> int | None:
+    """The key of a tile's step's stochastic rounding of its bf16 masters (train.master_rounding=stochastic),
+    None where the new weight is stored as it is or rounded to nearest even (fp32 masters; 'nearest')."""
+    if rounding != "stochastic" or master.dtype != torch.bfloat16:
+        return None
+    return sr_key(seed, tile, step, MASTER)
+
+
+def store_master(dst: torch.Tensor, p: torch.Tensor, key: int | None, first: int) -> None:
+    """fp32 new weights `p` into the master section `dst`: as they are (fp32), rounded to nearest even (a bf16
+    master, key None), or stochastically (key: the bits of elements first, first + 1, ... of the tile)."""
+    dst.copy_(p if key is None else stochastic_bf16(p, key, first))
+
+
 def _divisors(k: StepConsts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The two scalar divisors as fp32 tensors on the device: CUDA divides by a host scalar as a multiply by
     its reciprocal (another rounding), by a device tensor truly. Filled on the device (a fill kernel takes the
@@ -80,10 +96,11 @@ def adam_math(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor
 
 def update_state(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                  exp_avg_exp: torch.Tensor, exp_avg_sq_exp: torch.Tensor, *, moments: str, decay_numel: int,
-                 k: StepConsts, key_m: int, key_v: int, origin: int) -> None:
+                 k: StepConsts, key_m: int, key_v: int, origin: int, key_p: int | None = None) -> None:
     """One AdamW step over a tile's flat sections, in place (module docstring). `decay_numel`: the leading
     range that takes weight decay; `origin`: the tile's first element in the whole tile (stochastic
-    rounding's element index); key_m, key_v: store.moments.sr_key of this tile, step and moment."""
+    rounding's element index); key_m, key_v: store.moments.sr_key of this tile, step and moment; key_p:
+    master_key (None: the new weight stored as it is, or rounded to nearest even)."""
     if moments not in ("bf16", "int8"):
         raise ValueError(f"update_state takes bf16 or int8 moments, got {moments!r}")
     n = master.numel()
@@ -104,7 +121,7 @@ def update_state(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
                 for a, z, decays in ((0, cut, True), (cut, hi - lo, False)) if z > a]
         p, m, v, root = (torch.cat([o[j] for o in outs]) for j in range(4))
         del outs  # their halves, before the rounding's temporaries
-        master[lo:hi].copy_(p)  # a bf16 master: round to nearest even
+        store_master(master[lo:hi], p, key_p, origin + lo)
         if moments == "bf16":
             exp_avg[lo:hi].copy_(stochastic_bf16(m, key_m, origin + lo))
             exp_avg_sq[lo:hi].copy_(stochastic_bf16(v, key_v, origin + lo))

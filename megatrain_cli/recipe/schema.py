@@ -120,6 +120,12 @@ class TrainConfig:
         "rates (measured: docs/precision.md). It also turns off engine.speculate_optimizer (a rounded weight "
         "cannot be corrected exactly): every update waits for the step's gradient norm. Needs model.dtype bf16; "
         "a checkpoint resumes only with the setting it was written with.", "fp32")
+    master_rounding: Literal["nearest", "stochastic"] = doc(
+        "How an update's fp32 result is stored in a bf16 master (train.master_weights bf16): 'nearest' (round to "
+        "nearest even: an update below half a bf16 step of its weight is lost) or 'stochastic' (rounded up with "
+        "probability (dropped part) / (one bf16 step), so small updates survive on average; the random bits a "
+        "hash of train.seed, tile, step and element: runs and resumes reproduce bit for bit). Host and "
+        "resident layers alike (docs/precision.md).", "nearest")
     optimizer_state: Literal["fp32", "bf16", "int8"] = doc(
         "Adam moments on the host (and on the device for resident layers): 'fp32' (8 bytes/param, torch's AdamW "
         "bit for bit), 'bf16' (4: written back with stochastic rounding seeded by train.seed), 'int8' (~2.03: "
@@ -239,6 +245,23 @@ class EngineConfig:
 
 
 @dataclass
+class StoreConfig:
+    disk: Optional[str] = doc(
+        "A folder on a local disk (an NVMe) for the disk tier: part of the optimizer state (store.disk_state) lives "
+        "in per-layer files there, read ahead of the host AdamW and written behind it on their own threads, so "
+        "the host holds a few layers of it at a time. The files are scratch (removed when the run ends, killed or "
+        "not; checkpoints are unchanged and resume with or without the tier). Needs free space for that state; "
+        "docs/precision.md prices it. null: all state in host memory.", None)
+    disk_state: Literal["auto", "moments", "moments+masters"] = doc(
+        "What the disk tier holds: 'moments' (the Adam moments: read and written once a step, by the update), "
+        "'moments+masters' (the master weights too: also read by every layer transfer, through the page cache), "
+        "or 'auto': none while the host holds everything, else the least of the two that fits the host "
+        "(engine.memory_fallback on; the plan says which). Needs store.disk.", "auto")
+    disk_in_flight: int = doc("Layers the disk tier reads ahead of the host AdamW (>= 1): what it holds in host "
+                              "memory is about this many layers' state plus those being written behind.", 2)
+
+
+@dataclass
 class CheckpointConfig:
     every_n_steps: Optional[int] = doc("Write a resumable checkpoint every N steps (>= 1); null: only at the "
                                        "end (every run ends with one, which `megatrain export` reads).", None)
@@ -318,6 +341,7 @@ class Recipe:
     grpo: GRPOConfig = doc("GRPO's settings (train.method grpo): sampling, the objective, the rewards.",
                            factory=GRPOConfig)
     engine: EngineConfig = doc("How layers stream.", factory=EngineConfig)
+    store: StoreConfig = doc("Where the training state lives beside host memory: the disk tier.", factory=StoreConfig)
     checkpoint: CheckpointConfig = doc("Checkpoints and resume.", factory=CheckpointConfig)
     logging: LoggingConfig = doc("Metrics and the live view.", factory=LoggingConfig)
     eval: EvalConfig = doc("Held-out exact-match eval.", factory=EvalConfig)

@@ -64,8 +64,12 @@ def mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
+MASTER = 2  # sr_key's `moment` for a bf16 master's stochastic rounding (train.master_rounding)
+
+
 def sr_key(seed: int, tile: str, step: int, moment: int) -> int:
-    """The key of one tile's step's moment (0: m, 1: v); an element's bits are mix32(key ^ index)."""
+    """The key of one tile's step's moment (0: m, 1: v; MASTER: the bf16 master weights); an element's bits
+    are mix32(key ^ index)."""
     h = mix32((seed & _M32) ^ zlib.crc32(tile.encode()))
     return mix32(mix32(h ^ (step & _M32)) ^ moment)
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_cli.store.disk import DiskTier
 from megatrain_cli.store.moments import read_moments, write_moments
 from megatrain_cli.store.tiles import (HostStore, LayoutQueries, ParamPlace, Tile, TileLayout, allocate_tile,
                                       store_master_dtype, tile_bytes)
@@ -84,13 +85,15 @@ class ShardedHostStore(LayoutQueries):
 
     def __init__(self, adapter, compute_dtype: torch.dtype, rank: int, world: int, *,
                  cpu_group=None, allocate: bool = True, master_dtype: torch.dtype | None = None,
-                 moments: str = "fp32"):
+                 moments: str = "fp32", tier: DiskTier | None = None):
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in 0..{world - 1}")
         self.adapter = adapter
         self.compute_dtype = compute_dtype
         self.master_dtype = store_master_dtype(adapter, master_dtype)
         self.moments = moments  # train.optimizer_state
+        self.tier = tier  # this rank's disk tier (store/disk.py), or None
+        self.on_disk = tier.sections if tier is not None else ()
         self.rank, self.world = rank, world
         self.cpu_group = cpu_group  # a gloo group for host-tensor collectives (None: the default group)
         self.layouts: dict[str, TileLayout] = HostStore(adapter, compute_dtype, allocate=False).layouts
@@ -101,11 +104,13 @@ class ShardedHostStore(LayoutQueries):
         if allocate:
             for name, spec in self.shards.items():
                 tile = allocate_tile(name, TileLayout([], spec.shard, spec.decay), compute_dtype, self.master_dtype,
-                                     moments)
+                                     moments, tier)
                 tile.origin = spec.start  # bf16 moments' stochastic rounding counts whole-tile elements
                 for section in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad):
                     section[spec.valid:].zero_()  # the padding is gathered and updated like the rest: zero
                 self.tiles[name] = tile
+            if tier is not None:
+                tier.seal()
 
     @classmethod
     def from_full(cls, store: HostStore, rank: int, world: int, *, cpu_group=None) -> "ShardedHostStore":
@@ -128,8 +133,12 @@ class ShardedHostStore(LayoutQueries):
     # ------------------------------------------------------------ what HostStore offers
     def host_bytes(self) -> int:
         """This rank's tile bytes."""
-        return sum(tile_bytes(s.shard, self.compute_dtype, self.master_dtype, self.moments)
+        return sum(tile_bytes(s.shard, self.compute_dtype, self.master_dtype, self.moments, self.on_disk)
                    for s in self.shards.values())
+
+    def disk_bytes(self) -> int:
+        """This rank's bytes in the disk tier."""
+        return sum(t.disk_bytes for t in self.tiles.values())
 
     def padded_numel(self, tile: str) -> int:
         """Elements of the tile's gathered device buffer and gradient accumulator (whole tile + padding)."""

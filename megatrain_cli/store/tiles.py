@@ -25,12 +25,14 @@ from typing import Any, Protocol
 
 import torch
 
+from megatrain_cli.store.disk import DiskTier, disk_sections
 from megatrain_cli.store.moments import MOMENT_DTYPES, block_count
 
 
 ALIGN = 4096
 MASTER_DTYPE = torch.float32  # the default master section (and the default moments' dtype)
 MASTER_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # train.master_weights -> the master section
+SECTIONS = ("master", "exp_avg", "exp_avg_sq", "exp_avg_exp", "exp_avg_sq_exp", "grad")  # a tile's, in order
 
 
 @dataclass
@@ -120,6 +122,7 @@ class Tile:
     exp_avg_exp: torch.Tensor | None = field(default=None, repr=False)
     exp_avg_sq_exp: torch.Tensor | None = field(default=None, repr=False)
     origin: int = 0  # the tile's first element in the whole tile (a rank's shard: store/sharded.py)
+    disk_bytes: int = 0  # bytes of its sections in the disk tier's file (store.disk_state; store/disk.py)
 
     @property
     def numel(self) -> int:
@@ -148,33 +151,46 @@ def _sections(numel: int, grad_dtype: torch.dtype, master_dtype: torch.dtype, mo
 
 
 def tile_bytes(numel: int, grad_dtype: torch.dtype, master_dtype: torch.dtype = MASTER_DTYPE,
-               moments: str = "fp32") -> int:
-    return sum(_sections(numel, grad_dtype, master_dtype, moments))
+               moments: str = "fp32", on_disk: tuple[str, ...] = ()) -> int:
+    """Bytes of a tile in host memory; `on_disk`: the sections the disk tier holds instead (their bytes:
+    tile_disk_bytes)."""
+    return sum(b for k, b in zip(SECTIONS, _sections(numel, grad_dtype, master_dtype, moments)) if k not in on_disk)
+
+
+def tile_disk_bytes(numel: int, grad_dtype: torch.dtype, master_dtype: torch.dtype, moments: str,
+                    on_disk: tuple[str, ...]) -> int:
+    return sum(b for k, b in zip(SECTIONS, _sections(numel, grad_dtype, master_dtype, moments)) if k in on_disk)
 
 
 def allocate_tile(name: str, layout: TileLayout, grad_dtype: torch.dtype,
-                  master_dtype: torch.dtype = MASTER_DTYPE, moments: str = "fp32") -> Tile:
-    """One aligned pageable allocation for the whole tile; sections are dtype views into it."""
+                  master_dtype: torch.dtype = MASTER_DTYPE, moments: str = "fp32", tier: DiskTier | None = None) -> Tile:
+    """One aligned pageable allocation for the whole tile; sections are dtype views into it. With a disk `tier`
+    the sections it holds (store.disk_state) are views into the tile's file there instead, in the same order."""
     if master_dtype not in MASTER_DTYPES.values():
         raise ValueError(f"master weights must be fp32 or bf16, got {master_dtype}")
     if moments not in MOMENT_DTYPES:
         raise ValueError(f"optimizer state must be one of {tuple(MOMENT_DTYPES)}, got {moments!r}")
     sizes = _sections(layout.numel, grad_dtype, master_dtype, moments)
-    total = sum(sizes)
+    on_disk = tier.sections if tier is not None else ()
+    cold = [k in on_disk for k in SECTIONS]
+    total = sum(b for b, c in zip(sizes, cold) if not c)
     raw = torch.empty(total + ALIGN, dtype=torch.uint8)  # untouched pages cost nothing until written
     shift = (-raw.data_ptr()) % ALIGN
     buf = raw[shift:shift + total]
+    disk_total = sum(b for b, c in zip(sizes, cold) if c)
+    disk = tier.map(name, disk_total) if disk_total else buf[:0]  # the file's mapping is page-aligned
     n = layout.numel
-    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    starts = [sum(b for b, c in zip(sizes[:k], cold[:k]) if c == cold[k]) for k in range(len(sizes))]
 
     def section(k: int, dtype: torch.dtype, count: int = n) -> torch.Tensor:
-        return buf[starts[k]:starts[k] + count * _width(dtype)].view(dtype)
+        return (disk if cold[k] else buf)[starts[k]:starts[k] + count * _width(dtype)].view(dtype)
 
     mdt = MOMENT_DTYPES[moments]
     exps = block_count(n) if moments == "int8" else 0
     return Tile(name, layout, grad_dtype, buf, master=section(0, master_dtype), exp_avg=section(1, mdt),
                 exp_avg_sq=section(2, mdt), grad=section(5, grad_dtype), moments=moments,
-                exp_avg_exp=section(3, torch.int8, exps), exp_avg_sq_exp=section(4, torch.int8, exps))
+                exp_avg_exp=section(3, torch.int8, exps), exp_avg_sq_exp=section(4, torch.int8, exps),
+                disk_bytes=disk_total)
 
 
 def store_master_dtype(adapter: ModelParts, master_dtype: torch.dtype | None) -> torch.dtype:
@@ -203,11 +219,27 @@ class LayoutQueries:
     def largest_layer_numel(self) -> int:
         return max(self.layouts[n].numel for n in self.layer_names)
 
+    tier: DiskTier | None = None
+
     def zero_state(self) -> None:
+        on_disk = self.tier.sections if self.tier is not None else ()
         for t in self.tiles.values():
-            for section in (t.exp_avg, t.exp_avg_sq, t.exp_avg_exp, t.exp_avg_sq_exp, t.grad):
-                section.zero_()
+            for name in ("exp_avg", "exp_avg_sq", "exp_avg_exp", "exp_avg_sq_exp", "grad"):
+                if name not in on_disk:
+                    getattr(t, name).zero_()
+            if self.tier is not None:
+                self.tier.zero(t.name)  # a fresh file: zeros already, nothing paged in
             t.step = 0
+
+    def settle(self, name: str) -> None:
+        """Tile `name`'s state on disk written back and out of memory (no disk tier: nothing to do)."""
+        if self.tier is not None:
+            self.tier.settle(name)
+
+    def close(self) -> None:
+        """The disk tier's threads stopped and its folder removed (the mappings live on with the tiles)."""
+        if self.tier is not None:
+            self.tier.close()
 
     def hf_items(self):
         """(hf_name, tile, place) for every tensor, in store order; tied lm_head is not listed."""
@@ -220,11 +252,16 @@ class HostStore(LayoutQueries):
     """All tiles of one model, in streaming order: embed, layers.0 .. layers.L-1, head."""
 
     def __init__(self, adapter: ModelParts, compute_dtype: torch.dtype, allocate: bool = True,
-                 master_dtype: torch.dtype | None = None, moments: str = "fp32"):
+                 master_dtype: torch.dtype | None = None, moments: str = "fp32", tier: DiskTier | None = None,
+                 disk_state: str | None = None):
+        """`tier`: the disk tier holding part of each tile (store/disk.py); `disk_state`: what it holds, for a
+        store that is not allocated (the planner's; an allocated one takes its tier's)."""
         self.adapter = adapter
         self.compute_dtype = compute_dtype
         self.master_dtype = store_master_dtype(adapter, master_dtype)
         self.moments = moments  # train.optimizer_state
+        self.tier = tier
+        self.on_disk = tier.sections if tier is not None else disk_sections(disk_state)
         self.layouts: dict[str, TileLayout] = {"embed": TileLayout.from_specs(adapter.embed_specs())}
         for i in range(adapter.num_layers):
             self.layouts[f"layers.{i}"] = TileLayout.from_specs(adapter.layer_specs(i))
@@ -232,10 +269,17 @@ class HostStore(LayoutQueries):
         self.tiles: dict[str, Tile] = {}
         if allocate:
             for name, layout in self.layouts.items():
-                self.tiles[name] = allocate_tile(name, layout, compute_dtype, self.master_dtype, moments)
+                self.tiles[name] = allocate_tile(name, layout, compute_dtype, self.master_dtype, moments, tier)
+            if tier is not None:
+                tier.seal()
 
     def host_bytes(self) -> int:
-        return sum(tile_bytes(l.numel, self.compute_dtype, self.master_dtype, self.moments)
+        """Bytes of the tiles in host memory (what the disk tier holds is not counted: disk_bytes)."""
+        return sum(tile_bytes(l.numel, self.compute_dtype, self.master_dtype, self.moments, self.on_disk)
+                   for l in self.layouts.values())
+
+    def disk_bytes(self) -> int:
+        return sum(tile_disk_bytes(l.numel, self.compute_dtype, self.master_dtype, self.moments, self.on_disk)
                    for l in self.layouts.values())
 
     # ------------------------------------------------------------ HF names

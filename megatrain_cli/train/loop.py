@@ -16,7 +16,7 @@ import torch
 
 from megatrain_cli.recipe import Recipe, render_yaml
 from megatrain_cli.train.errors import TrainingError, out_of_memory_message
-from megatrain_cli.train.predicted import against, describe, method_lines, prediction
+from megatrain_cli.train.predicted import against, describe, disk_lines, method_lines, prediction
 from megatrain_cli.train.setup import DTYPES, build_engine, build_store, lean_allocator, resolve_device
 
 
@@ -52,6 +52,7 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
     plan = plan_step(r, adapter, device, one_process=dist is None)
     # the step the planner predicts from this machine's cached probe (one process: ranks are not modelled)
     pred = prediction(r, adapter, device, plan) if dist is None and not plan.problems else None
+    preflight.check_tier_space(r, plan.memory.disk_total // (dist.world if dist is not None else 1))
     disk = preflight.run_disk_problem(r, config)
     if disk:
         plan.problems.append(disk)
@@ -61,6 +62,8 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
         print(plan.render())
         if dist is None and not plan.problems:
             print(describe(pred))
+        for line in disk_lines(r, plan, pred):
+            print(line)
         if r.train.method not in ("sft", "grpo"):
             print(method_lines(r, adapter, device, plan))
         if plan.problems:
@@ -186,7 +189,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
         lean_allocator(device)
     host_kernel.prepare(r.engine.host_adamw, log=(lambda line: print(line, file=sys.stderr)) if lead else
                         (lambda _line: None))
-    store = build_store(r, config, dist)
+    store = build_store(r, config, dist, plan.disk_state)
     method = pref.method if pref is not None else grpo.method if grpo is not None else None
     engine = build_engine(r, store, plan, device, dist, method=method)
     if grpo is not None:  # the sampler, and the initial weights' copy for the KL term: before a resume loads
@@ -237,7 +240,9 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                                         preference=pref is not None) as dash:
             dash.log(f"{store.num_params() / 1e6:.1f} M params on {device.type}, {total} steps, "
                      f"{data.num_rows} rows of {t.seq_len} tokens, host state "
-                     f"{store.host_bytes() / 2**30:.2f} GiB")
+                     f"{store.host_bytes() / 2**30:.2f} GiB" + (f", {store.disk_bytes() / 2**30:.2f} GiB in the disk tier "
+                                                               f"(store.disk_state={plan.disk_state})"
+                                                               if plan.disk_state else ""))
             if held_out is not None:
                 dash.log(f"validation loss every {held_out.every} steps and after the last, on {held_out.rows} "
                          f"held-out rows of {t.seq_len} tokens")
@@ -315,6 +320,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                          f"after step {total}: {metrics_line(loss, metrics)} ({where})")
     finally:
         engine.close()
+        store.close()  # the disk tier's threads (store.disk); its files went when they were mapped
         if grpo is not None:
             grpo.close()
         for log in logs:

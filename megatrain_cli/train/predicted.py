@@ -47,6 +47,15 @@ def describe(pred) -> str:
             f"docs/planner.md)")
 
 
+def disk_lines(r, plan, pred) -> list[str]:
+    """The disk tier's lines (store.disk): its bytes, the I/O a step needs against a quick probe of the folder,
+    and the step the disk allows beside the predicted one; [] without a tier."""
+    from megatrain_cli.engine.plan.disk_tier import report
+
+    total = pred.total if pred is not None else None
+    return report(plan.memory, plan.disk_state, r.store.disk, total)[0]
+
+
 def against(pred, measured_s: float, steps: int) -> str:
     """The end-of-run line: measured mean against predicted ('' without a whole prediction)."""
     if pred is None or pred.total is None or steps < 1:

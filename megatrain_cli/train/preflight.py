@@ -46,6 +46,7 @@ def check_inputs(r: Recipe, *, dry_run: bool) -> None:
         check_output_dir(cache, "data.cache_dir", "pick another data.cache_dir, or data.cache_dir=off (no cache)")
     check_resume(r.checkpoint.resume)
     check_output_dir(r.output_dir, "output_dir")
+    check_tier_folder(r.store.disk)
     from megatrain_cli.train.sinks import path_problems
 
     taken = path_problems(r.logging, Path(r.output_dir))
@@ -154,6 +155,32 @@ def check_output_dir(path: str | Path, key: str, fix: str | None = None) -> Path
         raise TrainingError(f"{key}: cannot write in {anchor} ({err.strerror or err}); "
                             f"{fix if fix != f'pick another {key}' else f'pick a writable {key}'}", 2) from None
     return anchor
+
+
+def check_tier_folder(folder: str | None) -> None:
+    """store.disk: an existing folder this user can write in (not made here: a mistyped path would put the
+    state on whatever disk holds its parent)."""
+    if folder is None:
+        return
+    p = Path(folder)
+    if not p.exists():
+        raise TrainingError(f"store.disk: {p} does not exist; create the folder on a local disk (an NVMe) or point "
+                            "store.disk at one", 2)
+    if not p.is_dir():
+        raise TrainingError(f"store.disk: {p} is a file, not a folder; point store.disk at a folder on a local disk", 2)
+    check_output_dir(p, "store.disk", "point store.disk at a folder this user can write in")
+
+
+def check_tier_space(r: Recipe, disk_bytes: int) -> None:
+    """The disk tier's files fit store.disk's filesystem (their space is reserved when the store is built)."""
+    if r.store.disk is None or not disk_bytes:
+        return
+    free = free_bytes(Path(r.store.disk))
+    if disk_bytes > free:
+        raise TrainingError(f"store.disk: the disk tier needs {_gib(disk_bytes)} (store.disk_state "
+                            f"{r.store.disk_state}) and {r.store.disk} has {_gib(free)} free; free space there, "
+                            "point store.disk at a larger disk, or keep less on disk (store.disk_state=moments, "
+                            "smaller train.optimizer_state)", 2)
 
 
 def check_export(checkpoint: Path, out: Path, dtype, *, force: bool) -> None:

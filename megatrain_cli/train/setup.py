@@ -48,18 +48,25 @@ def model_config(r: Recipe, tokenizer=None):
     return config
 
 
-def build_store(r: Recipe, config, dist=None):
+def build_store(r: Recipe, config, dist=None, disk_state: str | None = None):
     """The host store (masters as train.master_weights says, moments as train.optimizer_state says, gradients;
     14 bytes/param with bf16 compute, 12 with bf16 masters, ~6 with bf16 masters and int8 moments): the model's
-    weights read tensor by tensor, or the preset's seeded random init. `dist`: this rank's 1/N shard."""
+    weights read tensor by tensor, or the preset's seeded random init. `dist`: this rank's 1/N shard.
+    `disk_state`: what the disk tier under store.disk holds (the plan's StepPlan.disk_state; None: no tier)."""
     from megatrain_cli.models.loader import build_sharded_store, build_store as build_whole
+    from megatrain_cli.store.disk import DiskTier, TierError
 
     dtype, master = DTYPES[r.model.dtype], MASTER_DTYPES[r.train.master_weights]
-    if dist is None:
-        return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed, master_dtype=master,
-                           moments=r.train.optimizer_state)
-    return build_sharded_store(config, dtype, dist.rank, dist.world, weights_path=r.model.path, seed=r.model.seed,
-                               cpu_group=dist.cpu_group, master_dtype=master, moments=r.train.optimizer_state)
+    try:
+        tier = DiskTier(r.store.disk, disk_state, r.store.disk_in_flight) if disk_state else None
+        if dist is None:
+            return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed, master_dtype=master,
+                               moments=r.train.optimizer_state, tier=tier)
+        return build_sharded_store(config, dtype, dist.rank, dist.world, weights_path=r.model.path,
+                                   seed=r.model.seed, cpu_group=dist.cpu_group, master_dtype=master,
+                                   moments=r.train.optimizer_state, tier=tier)
+    except TierError as err:
+        raise TrainingError(str(err), 2) from None
 
 
 def lean_allocator(device: torch.device) -> str:

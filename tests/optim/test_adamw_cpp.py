@@ -36,13 +36,13 @@ def kernel():
 def make_tile(numel: int, decay_numel: int, grad_dtype: torch.dtype, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     return SimpleNamespace(
-        layout=SimpleNamespace(decay_numel=decay_numel), numel=numel, step=0, moments="fp32",
+        layout=SimpleNamespace(decay_numel=decay_numel), numel=numel, step=0, moments="fp32", origin=0,
         master=torch.randn(numel, generator=g) * 0.02, exp_avg=torch.zeros(numel),
         exp_avg_sq=torch.zeros(numel), grad=torch.zeros(numel, dtype=grad_dtype))
 
 
 def clone_tile(t):
-    return SimpleNamespace(layout=t.layout, numel=t.numel, step=t.step, moments="fp32", master=t.master.clone(),
+    return SimpleNamespace(layout=t.layout, numel=t.numel, step=t.step, moments="fp32", origin=0, master=t.master.clone(),
                            exp_avg=t.exp_avg.clone(), exp_avg_sq=t.exp_avg_sq.clone(), grad=t.grad.clone())
 
 

@@ -32,6 +32,7 @@ class MemoryPlan:
     params: int
     host: dict = field(default_factory=dict)  # kind -> bytes (pageable tiles)
     pinned: dict = field(default_factory=dict)
+    disk: dict = field(default_factory=dict)  # kind -> bytes the disk tier holds (store.disk_state), not the host
     device: dict = field(default_factory=dict)  # empty on a lean path: the lean plan holds the device figures
     h2d_per_layer: float = 0.0
     keep_blocks: int = 0  # last blocks whose activations are kept instead of recomputed
@@ -41,6 +42,10 @@ class MemoryPlan:
     @property
     def host_total(self) -> int:
         return sum(self.host.values())
+
+    @property
+    def disk_total(self) -> int:
+        return sum(self.disk.values())
 
     @property
     def pinned_total(self) -> int:
@@ -53,7 +58,7 @@ class MemoryPlan:
     def render(self) -> str:
         lines = [f"memory plan for {self.params / 1e9:.3f} B parameters"]
 
-        width = max(len(k) for k in [*self.host, *self.pinned, *self.device])
+        width = max(len(k) for k in [*self.host, *self.pinned, *self.device, *self.disk])
 
         def table(title: str, items: dict, total: int) -> None:
             lines.append(f"  {title}")
@@ -63,6 +68,9 @@ class MemoryPlan:
 
         table("host, pageable (the tiles)", self.host, self.host_total)
         table("host, pinned (staging + gradient slabs)", self.pinned, self.pinned_total)
+        if self.disk:
+            table("disk tier (store.disk: per-layer files, a few layers in host memory at a time)", self.disk,
+                  self.disk_total)
         if self.device:
             table("device, peak (estimate)", self.device, self.device_total)
         lines.append(f"  host bytes per parameter, all state: {(self.host_total + self.pinned_total) / self.params:.2f}")
@@ -77,24 +85,32 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
               grad_accum: int, checkpoint_interval: int, grad_slabs: int, layer_slots: int = 2,
               loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0,
               resident_layers: int = 0, master_dtype: torch.dtype = torch.float32, moments: str = "fp32",
-              device_figures: bool = True) -> MemoryPlan:
+              device_figures: bool = True, disk_state: str | None = None) -> MemoryPlan:
     """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute);
     `resident_layers`: how many of the first layers keep their optimizer state on the device;
-    `master_dtype`: train.master_weights; `moments`: train.optimizer_state; `device_figures` False: the host figures alone (a lean path)."""
-    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments)
+    `master_dtype`: train.master_weights; `moments`: train.optimizer_state; `device_figures` False: the host
+    figures alone (a lean path); `disk_state`: what the disk tier holds (store.disk_state; None: nothing)."""
+    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments,
+                      disk_state=disk_state)
     n = store.num_params()
     width = torch.finfo(compute_dtype).bits // 8
     plan = MemoryPlan(params=n)
+
+    def state(section: str, kind: str, nbytes: int) -> None:  # on the host, or in the disk tier's files
+        (plan.disk if section in store.on_disk else plan.host)[kind] = nbytes
+
     master = torch.finfo(store.master_dtype).bits // 8  # train.master_weights: 4 (fp32) or 2 (bf16)
-    plan.host[f"{'fp32' if master == 4 else 'bf16'} master weights"] = master * n
+    state("master", f"{'fp32' if master == 4 else 'bf16'} master weights", master * n)
     code = MOMENT_DTYPES[moments].itemsize  # train.optimizer_state: 4, 2 or 1 byte per moment
-    plan.host[f"{moments} Adam exp_avg"] = code * n
-    plan.host[f"{moments} Adam exp_avg_sq"] = code * n
+    state("exp_avg", f"{moments} Adam exp_avg", code * n)
+    state("exp_avg_sq", f"{moments} Adam exp_avg_sq", code * n)
     if moments == "int8":
-        plan.host[f"int8 block exponents (1 byte per {BLOCK} elements and moment)"] = \
-            2 * sum(block_count(l.numel) for l in store.layouts.values())
+        state("exp_avg_exp", f"int8 block exponents (1 byte per {BLOCK} elements and moment)",
+              2 * sum(block_count(l.numel) for l in store.layouts.values()))
     plan.host[f"gradients ({str(compute_dtype).removeprefix('torch.')})"] = width * n
     plan.host["4 KiB alignment padding"] = max(0, store.host_bytes() - sum(plan.host.values()))
+    if store.on_disk:
+        plan.disk["4 KiB alignment padding"] = max(0, store.disk_bytes() - sum(plan.disk.values()))
     big = store.largest_layer_numel()
     if device_type == "cuda":
         chunk = transfer_chunk(big)
@@ -163,13 +179,16 @@ def _device_figures(plan: MemoryPlan, store: HostStore, width: int, *, micro_bat
 
 
 def host_state_line(adapter: ModelAdapter, compute_dtype: torch.dtype, master_dtype: torch.dtype,
-                    moments: str) -> str:
-    """One line of the host tiles' size (`megatrain plan`; `train --dry-run` itemises them)."""
-    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments)
+                    moments: str, disk_state: str | None = None) -> str:
+    """One line of the host tiles' size, and the disk tier's (`megatrain plan`; `train --dry-run` itemises them)."""
+    store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments,
+                      disk_state=disk_state)
     total, n = store.host_bytes(), store.num_params()
     master = "bf16" if master_dtype == torch.bfloat16 else "fp32"
+    disk = (f"; disk tier (store.disk_state={disk_state}): {store.disk_bytes() / GiB:.1f} GiB, "
+            f"{store.disk_bytes() / n:.2f} bytes/param" if disk_state else "")
     return (f"host state: {total / GiB:.1f} GiB of tiles, {total / n:.2f} bytes/param (train.master_weights={master}, "
-            f"train.optimizer_state={moments}); `train --dry-run` itemises them with the pinned buffers")
+            f"train.optimizer_state={moments}){disk}; `train --dry-run` itemises them with the pinned buffers")
 
 
 def resident_device_bytes(store: HostStore, n: int, width: int) -> int:
@@ -239,8 +258,9 @@ def host_problems(plan: MemoryPlan) -> list[str]:
     have_host = available_host_bytes()
     if have_host and need_host > 0.95 * have_host:
         return [f"host memory: the plan needs {need_host / GiB:.1f} GiB, {have_host / GiB:.1f} GiB is "
-                f"available. Use a machine with more RAM or a smaller model; fewer gradient slabs "
-                f"(engine.grad_slabs) save {plan.pinned_total / GiB:.1f} GiB at most."]
+                f"available. Use a machine with more RAM or a smaller model, smaller optimizer state "
+                f"(train.optimizer_state, train.master_weights) or the disk tier (store.disk); fewer gradient "
+                f"slabs (engine.grad_slabs) save {plan.pinned_total / GiB:.1f} GiB at most."]
     return []
 
 

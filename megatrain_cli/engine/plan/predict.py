@@ -100,6 +100,7 @@ class StepShape:
     overlap_optimizer: bool = True
     device: str = "cuda"
     moments: str = "fp32"  # train.optimizer_state: bf16 / int8 moments update in one pass, never split
+    disk: bool = False  # a disk tier (store.disk): one pass per tile too, after the verdict (its I/O: disk_tier.py)
 
 
 def state_update_bytes(moments: str) -> float:
@@ -209,7 +210,8 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
         return P / (fig.cast_elems_per_s * fig.host_gbps_at(u) * 1e9 / alone) if alone else 0.0
 
     worker = shape.overlap_optimizer and cuda
-    coded = shape.moments != "fp32"  # no speculation, no split passes: the forward waits for whole updates
+    # no speculation, no split passes: the forward waits for whole updates
+    coded = shape.moments != "fp32" or shape.disk
     if worker and coded:
         prep = host(P, state_update_bytes(shape.moments), u_fwd) + cast_s(u_fwd)
     elif worker and shape.clipped and shape.update_on_read:
@@ -286,7 +288,8 @@ def predict_plan(r, adapter, device: torch.device, plan, fig: MachineFigures, la
                  clipped: bool = True) -> Prediction:
     """The prediction for the plan `plan_step` made for `r` (what bench and train compare with the measured)."""
     model = ModelFigures.of(adapter, recipe_shape(r, device)["dtype"])
-    return predict(fig, layer, model, shape_of(r, device, clipped=clipped), candidate_of(plan, device))
+    shape = dataclasses.replace(shape_of(r, device, clipped=clipped), disk=plan.disk_state is not None)
+    return predict(fig, layer, model, shape, candidate_of(plan, device))
 
 
 def candidate_of(plan, device: torch.device) -> Candidate:

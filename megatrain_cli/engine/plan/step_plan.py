@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatrain_cli.engine.plan.disk_tier import choose_disk_state
 from megatrain_cli.engine.plan.lean import LeanPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
 from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
                                               resident_device_bytes, resolve_keep_blocks, resolve_resident_layers)
@@ -54,6 +55,7 @@ class StepPlan:
     problems: list = field(default_factory=list)
     host_limit: HostLimit | None = None  # the smallest host ceiling when planned; None: host not checked
     device_checked: bool = True  # False: no device budget known (CUDA planned on a machine without it)
+    disk_state: str | None = None  # what the disk tier holds (store.disk_state, 'auto' decided); None: no tier
 
     @property
     def fits(self) -> bool:
@@ -68,6 +70,9 @@ class StepPlan:
     def render(self) -> str:
         """The memory plan, the path line, the lean plan and the verdict (what `--dry-run` prints)."""
         lines = [self.memory.render(), self.path]
+        if self.disk_state is not None:
+            lines.append(f"disk tier: the {self.disk_state} of every tile in per-layer files under store.disk, "
+                         "read ahead of the host AdamW and written behind it (no speculation, no deferred moments)")
         if self.lean is not None:
             lines.append(self.lean.render())
             if not self.lean.fits:
@@ -130,6 +135,7 @@ class _Setup:
     store: HostStore  # unallocated: the shape
     store_built: bool
     limit: HostLimit | None
+    disk_note: str  # how store.disk_state 'auto' was decided ('' when it was not)
 
     @classmethod
     def of(cls, r: Recipe, adapter, device: torch.device, store_built: bool, budget: int | None) -> "_Setup":
@@ -139,10 +145,11 @@ class _Setup:
                     grad_slabs=e.grad_slabs, layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens,
                     device_type=device.type, master_dtype=MASTER_DTYPES[t.master_weights],
                     moments=t.optimizer_state)
+        args["disk_state"], note = choose_disk_state(r, args, check_host=not store_built)
         store = HostStore(adapter, args["compute_dtype"], allocate=False, master_dtype=args["master_dtype"],
-                          moments=t.optimizer_state)
+                          moments=t.optimizer_state, disk_state=args["disk_state"])
         return cls(r, adapter, device, budget, args, store, store_built,
-                   None if store_built else effective_host_limit())
+                   None if store_built else effective_host_limit(), note)
 
     @property
     def lean_resident(self) -> int:
@@ -171,7 +178,10 @@ class _Setup:
     def plan(self, memory: MemoryPlan, interval: int, loss_chunk: int, keep: frozenset, lean: LeanPlan | None,
              resident: int, path: str, problems: list) -> StepPlan:
         checked = self.budget is not None or self.device.type != "cuda"
-        return StepPlan(memory, interval, loss_chunk, keep, lean, resident, path, problems, self.limit, checked)
+        if self.disk_note:
+            path += f"; {self.disk_note}"
+        return StepPlan(memory, interval, loss_chunk, keep, lean, resident, path, problems, self.limit, checked,
+                        self.args["disk_state"])
 
 
 def _candidates(s: _Setup) -> Iterator[StepPlan]:
