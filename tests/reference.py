@@ -125,6 +125,9 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
                 kw = {"position_ids": mb.position_ids.to(dev)}  # (only without a KV cache: use_cache=False)
             if router_aux:
                 kw["output_router_logits"] = True
+            if mb.images is not None:  # a VLM's rows: the processor's tensors, and which tokens are image ones
+                kw.update({k: v.to(dev) for k, v in mb.images.items()})
+                kw["mm_token_type_ids"] = (mb.input_ids == model.config.image_token_id).int().to(dev)
             with packed_masks(model, kw.get("position_ids")):
                 out = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw)
             logits = out.logits.float()

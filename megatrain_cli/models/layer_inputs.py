@@ -88,7 +88,8 @@ class LayerInputs:
         `position_ids` [B, T]: best on the host (the documents are read there; they move to the device
         here)."""
         self._record.clear()
-        docs = document_bounds(position_ids)
+        # [3, B, T]: a VLM's multimodal rotary positions (one example per row, never packed)
+        docs = document_bounds(position_ids) if position_ids.dim() == 2 else None
         pos = position_ids.to(embeds.device)
         if docs is None:
             out = self._shell(inputs_embeds=embeds, position_ids=pos, use_cache=False)

@@ -35,6 +35,9 @@ class ModelConfig:
     seed: int = doc("Seed for random init of presets.", 0)
     allow_unverified: bool = doc("Train a decoder-only model type that has no parity test here (the list: "
                                  "models/families.py), with a warning. Off: such a model is refused.", False)
+    freeze_vision: bool = doc("A vision-language model: keep its vision tower (patch embedding and layers) as it "
+                              "is; off: the tower trains with the rest (docs/vlm.md).", False)
+    freeze_projector: bool = doc("A vision-language model: keep its projector (Qwen2-VL's merger) as it is.", False)
 
 
 @dataclass
