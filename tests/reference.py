@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -127,7 +128,8 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
                 kw["output_router_logits"] = True
             if mb.images is not None:  # a VLM's rows: the processor's tensors, and which tokens are image ones
                 kw.update({k: v.to(dev) for k, v in mb.images.items()})
-                kw["mm_token_type_ids"] = (mb.input_ids == model.config.image_token_id).int().to(dev)
+                if "mm_token_type_ids" in inspect.signature(model.forward).parameters:  # Qwen2-VL's mrope
+                    kw["mm_token_type_ids"] = (mb.input_ids == model.config.image_token_id).int().to(dev)
             with packed_masks(model, kw.get("position_ids")):
                 out = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw)
             logits = out.logits.float()

@@ -30,15 +30,15 @@ class _StreamedLayer(torch.autograd.Function):
     """One tower layer: forward without a graph (input kept), backward = stream in, recompute, backward."""
 
     @staticmethod
-    def forward(ctx, phase, index, kwargs, hidden):
-        ctx.phase, ctx.index, ctx.kwargs = phase, index, kwargs
+    def forward(ctx, phase, index, args, kwargs, hidden):
+        ctx.phase, ctx.index, ctx.args, ctx.kwargs = phase, index, args, kwargs
         ctx.save_for_backward(hidden)
-        return phase.layer_forward(index, hidden, kwargs)
+        return phase.layer_forward(index, hidden, args, kwargs)
 
     @staticmethod
     def backward(ctx, grad):
         (hidden,) = ctx.saved_tensors
-        return None, None, None, ctx.phase.layer_backward(ctx.index, hidden, ctx.kwargs, grad)
+        return None, None, None, None, ctx.phase.layer_backward(ctx.index, hidden, ctx.args, ctx.kwargs, grad)
 
 
 class VisionPhase:
@@ -51,7 +51,7 @@ class VisionPhase:
         self.layer_tiles = [vision_tile(i) for i in range(self.parts.depth)]
         self.outer_tiles = [t for t in (EMBED, PROJECTOR) if t in engine.store.layouts]
         self.trainable = [t for t in (*self.outer_tiles, *self.layer_tiles) if t not in frozen]
-        if EMBED in self.outer_tiles and (EMBED in frozen) != any(t in frozen for t in self.layer_tiles):
+        if EMBED in frozen and any(t not in frozen for t in self.layer_tiles):  # no gradient would reach them
             raise ValueError("the vision tower's patch embedding and layers are frozen together (model.freeze_vision)")
         self._templates: dict[str, torch.nn.Module] = {}
         self._structure = [self.parts.layer_structure(i) for i in range(self.parts.depth)]
@@ -69,25 +69,27 @@ class VisionPhase:
         return list(self.layer_tiles), back
 
     # ------------------------------------------------------------ one tower layer
-    def _run_layer(self, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def _run_layer(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         if vision_tile(index) in self.frozen or not torch.is_grad_enabled():
-            return self.layer_forward(index, hidden, kwargs)
-        return _StreamedLayer.apply(self, index, kwargs, hidden)
+            return self.layer_forward(index, hidden, args, kwargs)
+        return _StreamedLayer.apply(self, index, args, kwargs, hidden)
 
     def _bound(self, index: int, grad: bool):
         tile = vision_tile(index)
         return self.engine.weight_views(tile, self.engine.acquire(tile), grad=grad)
 
-    def layer_forward(self, index: int, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def layer_forward(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
         with torch.no_grad():
-            return run_bound(self._templates[self._structure[index]], self._bound(index, False), hidden, **kwargs)
+            return run_bound(self._templates[self._structure[index]], self._bound(index, False), hidden, *args,
+                             **kwargs)
 
-    def layer_backward(self, index: int, hidden: torch.Tensor, kwargs: dict, grad: torch.Tensor) -> torch.Tensor:
+    def layer_backward(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict,
+                       grad: torch.Tensor) -> torch.Tensor:
         tile, engine = vision_tile(index), self.engine
         w = self._bound(index, True)
         x = hidden.detach().requires_grad_()
         with torch.enable_grad():
-            y = run_bound(self._templates[self._structure[index]], w, x, **kwargs)
+            y = run_bound(self._templates[self._structure[index]], w, x, *args, **kwargs)
             out = torch.autograd.grad(y, [x, *w.values()], grad)
         self._send(tile, dict(zip(w, out[1:])))
         return out[0]

@@ -28,6 +28,7 @@ from megatrain_cli.store.tiles import ParamSpec
 VERIFIED_VLM: dict[str, str] = {
     "qwen2_vl": "Qwen2-VL (dynamic resolution, multimodal RoPE, merger as projector)",
     "qwen2_5_vl": "Qwen2.5-VL (windowed vision attention, RMSNorm vision layers)",
+    "llava": "LLaVA (CLIP / SigLIP tower, features from a hidden state, MLP projector, Llama / Qwen decoder)",
 }
 # Children of the tower that project into the decoder's width (the rest of the tower is `vision.embed`).
 _PROJECTOR_IN_TOWER = ("merger",)
@@ -43,16 +44,21 @@ def vision_tile(index: int) -> str:
 
 
 class _LayerStandIn(nn.Module):
-    """Stands in for tower layer `index` in the features shell: `run(index, hidden, kwargs)` decides."""
-
-    def __init__(self, index: int, run: Callable):
-        super().__init__()
-        self.index, self.run = index, run
+    """Stands in for tower layer `index` in the features shell: `run(index, hidden, args, kwargs)` decides."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        if args:
-            raise TypeError("the vision tower passed positional arguments besides the hidden state")
-        return self.run(self.index, hidden_states, kwargs)
+        return self.run(self.index, hidden_states, args, kwargs)
+
+
+def _stand_in(layer: nn.Module, index: int, run: Callable) -> nn.Module:
+    """A stand-in that is also an instance of the layer's class (never initialised as one): HF's output
+    recorders find the tower's layers by class (`output_hidden_states`, as LLaVA's features ask), and GPU-less
+    __call__ wrappers of that class (gradient checkpointing's) see it switched off."""
+    cls = type(f"StandIn{type(layer).__name__}", (_LayerStandIn, type(layer)), {})
+    stand = cls.__new__(cls)
+    nn.Module.__init__(stand)
+    stand.index, stand.run, stand.gradient_checkpointing = index, run, False
+    return stand
 
 
 class _ImageFeatures(nn.Module):
@@ -127,8 +133,21 @@ class VisionParts:
         return f"{self.blocks_path}.{tile[len('vision.'):]}.{name}"
 
     def frozen_tiles(self, freeze_vision: bool, freeze_projector: bool) -> frozenset[str]:
-        """The tiles `model.freeze_vision` (patch embedding and layers) and `model.freeze_projector` keep."""
-        return frozenset(t for t, _ in self.tiles() if (freeze_projector if t == PROJECTOR else freeze_vision))
+        """The tiles `model.freeze_vision` (patch embedding and layers) and `model.freeze_projector` keep,
+        and the layers whose output never reaches the features (unused_layers)."""
+        return self.unused_layers() | frozenset(
+            t for t, _ in self.tiles() if (freeze_projector if t == PROJECTOR else freeze_vision))
+
+    def unused_layers(self) -> frozenset[str]:
+        """Tower layers past the hidden state the features are read from (LLaVA's config.vision_feature_layer,
+        -2 by default: the last layer runs but nothing depends on it, so HF gives it no gradient and AdamW
+        leaves it as it is; so does the engine)."""
+        picks = getattr(self.config, "vision_feature_layer", None)
+        if picks is None:
+            return frozenset()
+        picks = [picks] if isinstance(picks, int) else list(picks)
+        deepest = max(p % (self.depth + 1) for p in picks)  # hidden state k: after layer k - 1 (0: the embeddings)
+        return frozenset(vision_tile(i) for i in range(deepest, self.depth))
 
     # ------------------------------------------------------------ templates and the features shell
     def layer_structure(self, index: int) -> str:
@@ -140,18 +159,17 @@ class VisionParts:
 
     def make_features_shell(self, run_layer: Callable, device: torch.device) -> nn.Module:
         """The base model with its tower's layers replaced by stand-ins calling `run_layer(index, hidden,
-        kwargs)`, its decoder left out and its rotary tables (non-trained buffers) real on `device`.
+        args, kwargs)`, its decoder left out and its rotary tables (non-trained buffers) real on `device`.
         functional_call binds `vision.embed` / `vision.projector` under `base.<name>`."""
         tower = _shallow(self._tower)
         parent_path, _, attr = self._blocks_rel.rpartition(".")
         parent = _shallow(tower.get_submodule(parent_path)) if parent_path else tower
-        parent._modules[attr] = nn.ModuleList(_LayerStandIn(i, run_layer) for i in range(self.depth))
+        parent._modules[attr] = nn.ModuleList(_stand_in(self._blocks[i], i, run_layer) for i in range(self.depth))
         if parent_path:
             _set_child(tower, parent_path, parent)
-        for name, child in list(tower.named_children()):
-            if "rotary" in type(child).__name__.lower():
-                with torch.device("cpu"):  # inv_freq in fp32 on the host, then moved
-                    tower._modules[name] = type(child)(tower.config).to(device)
+        for path, module in list(tower.named_modules()):
+            if path and any(b is not None and b.is_meta for b in module._buffers.values()):
+                _set_child(tower, path, _with_real_buffers(module, tower.config, device))
         base = _shallow(self._base)
         base._modules = {n: m for n, m in base._modules.items() if n in (self._tower_attr,) or
                          f"{n}." in self._projector_prefixes}
@@ -178,6 +196,19 @@ class VisionParts:
         types = (input_ids == self.image_token_id).int()  # the processor's mm_token_type_ids: 1 = image
         pos, _ = rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=images.get("image_grid_thw"))
         return pos
+
+
+def _with_real_buffers(module: nn.Module, config: Any, device: torch.device) -> nn.Module:
+    """`module` built again on the host from the tower's config, then moved: its non-trained buffers (rotary
+    tables, CLIP's position ids) as its own __init__ makes them (a meta buffer would be read as garbage).
+    Its parameters come along too and are never read: the shell binds the tiles' weights over them."""
+    try:
+        with torch.device("cpu"):  # inv_freq and the like in fp32 on the host, as HF computes them
+            fresh = type(module)(config)
+    except TypeError as err:
+        raise UnsupportedModel(f"{type(module).__name__} holds buffers and cannot be rebuilt from the vision "
+                               f"config ({err})") from None
+    return fresh.to(device)
 
 
 def decoder_prefix(base: nn.Module, decoder: nn.Module) -> str:

@@ -28,6 +28,16 @@ IMAGE, START, END = 100, 102, 103  # image / vision start / vision end token ids
 def tiny_vlm_config(family: str = "qwen2_vl", layers: int = 2, depth: int = 2):
     from transformers import AutoConfig
 
+    if family == "llava":  # CLIP tower (28 px: 4 patches + CLS), features from hidden state -2, Llama decoder
+        text = dict(model_type="llama", hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
+                    num_key_value_heads=2, intermediate_size=48, vocab_size=120, max_position_embeddings=256,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        vision = dict(model_type="clip_vision_model", hidden_size=32, num_hidden_layers=depth + 1,
+                      num_attention_heads=4, intermediate_size=48, image_size=28, patch_size=14)
+        return AutoConfig.for_model("llava", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                    projector_hidden_act="gelu", vision_feature_layer=-2,
+                                    vision_feature_select_strategy="default")
+
     text = dict(hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=48, vocab_size=120, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
                 pad_token_id=0, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
@@ -49,27 +59,35 @@ def _pil_processor():
                                         max_pixels=84 * 84)
 
 
-def image_rows(names: list[str], seed: int) -> MicroBatch:
+def _clip_processor():
+    from transformers.models.clip import image_processing_pil_clip as pil
+
+    return pil.CLIPImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+
+
+def image_rows(names: list[str], seed: int, family: str = "qwen2_vl") -> MicroBatch:
     """One row per image: a few text tokens, <vision_start>, the image's placeholders, <vision_end>, text.
     Loss on the last tokens only, never on an image token."""
     from PIL import Image
 
-    out = _pil_processor()(images=[Image.open(IMAGES / n).convert("RGB") for n in names], return_tensors="pt")
+    processor = _clip_processor() if family == "llava" else _pil_processor()
+    out = processor(images=[Image.open(IMAGES / n).convert("RGB") for n in names], return_tensors="pt")
     g = torch.Generator().manual_seed(seed)
     rows = []
-    for thw in out["image_grid_thw"]:
-        n = int(thw.prod()) // 4
+    sizes = [4] * len(names) if family == "llava" else [int(thw.prod()) // 4 for thw in out["image_grid_thw"]]
+    for n in sizes:
         text = torch.randint(3, 99, (SEQ - n - 5,), generator=g)
         rows.append(torch.cat([text[:3], torch.tensor([START] + [IMAGE] * n + [END]), text[3:]]))
     ids = torch.stack(rows)
     labels = ids.clone()
     labels[:, :SEQ - 8] = IGNORE_INDEX
-    return MicroBatch(ids, labels, images={"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]})
+    return MicroBatch(ids, labels, images={k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")})
 
 
-def vlm_batches():
+def vlm_batches(family: str = "qwen2_vl"):
     pairs = [["red_square.png", "wide_stripes.png"], ["tall_gradient.png", "red_square.png"]]
-    return [[image_rows(pairs[(s + m) % 2], seed=10 * s + m) for m in range(ACCUM)] for s in range(STEPS)]
+    return [[image_rows(pairs[(s + m) % 2], seed=10 * s + m, family=family) for m in range(ACCUM)]
+            for s in range(STEPS)]
 
 
 def reference_vlm(store, config, frozen_prefixes=()):
@@ -94,7 +112,7 @@ def run_both(family, *, freeze_vision=False, freeze_projector=False):
                       eps=1e-5)
     prefixes = tuple(store.adapter.hf_name(t, p.name) for t in frozen for p in store.layouts[t].places)
     ref = reference_vlm(store, config, prefixes)
-    batches = vlm_batches()
+    batches = vlm_batches(family)
     ref_losses = reference_train(ref, batches, cfg, STEPS)
     engine = make_engine(store, cfg, device="cpu", checkpoint_interval=1, loss_chunk_tokens=7,
                          overlap_optimizer=False, frozen=frozen)
@@ -111,13 +129,25 @@ def assert_parity(store, ref, ref_losses, results):
         torch.testing.assert_close(ours[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl"])
+def test_every_verified_vlm_family_has_a_case():
+    from megatrain_cli.models.vision import VERIFIED_VLM
+
+    assert sorted(VERIFIED_VLM) == sorted(FAMILIES)
+
+
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_vlm_parity_three_steps_vision_tower_trained(family):
-    store, ref, ref_losses, results, before, _ = run_both(family)
+    store, ref, ref_losses, results, before, unused = run_both(family)
     assert_parity(store, ref, ref_losses, results)
     ours = store.hf_state_dict()
-    vision = [n for n in ours if store.adapter.vision.owns(n)]
+    vision = [n for n in ours if store.adapter.vision.owns(n) and n not in unused and "post_layernorm" not in n]
     assert vision and all(not torch.equal(ours[n], before[n]) for n in vision), "every vision tensor trains"
+    # LLaVA reads hidden state -2: its last layer (and CLIP's post-layernorm) get no gradient, in HF and here
+    assert all(torch.equal(ours[n], before[n]) for n in unused)
+    assert bool(unused) == (family == "llava")
 
 
 @pytest.mark.parametrize("freeze_vision,freeze_projector", [(True, False), (True, True), (False, True)])
@@ -131,30 +161,36 @@ def test_frozen_parts_stay_bit_unchanged_and_the_rest_matches(freeze_vision, fre
     assert all(not torch.equal(ours[n], before[n]) for n in trained if "embed_tokens" not in n)
 
 
-def test_every_gradient_matches_the_plain_model():
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+def test_every_gradient_matches_the_plain_model(family):
     """One step's gradients, as they land in the host tiles (unclipped, summed over the micro-batches), equal
-    the plain model's for every tensor: vision tower, projector, decoder, embedding rows."""
-    config = tiny_vlm_config("qwen2_5_vl")
+    the plain model's for every tensor: vision tower, projector, decoder, embedding rows. A tensor HF gives
+    no (or a zero) gradient (LLaVA's unused last layer, CLIP's post-layernorm) has a zero one here."""
+    config = tiny_vlm_config(family)
     store = build_store(config, torch.float32, seed=4)
     ref = reference_vlm(store, config)
-    mbs = vlm_batches()[0]
+    mbs = vlm_batches(family)[0]
     cfg = TrainConfig(steps=1, lr=1e-3, max_grad_norm=None, grad_accum=ACCUM)
     n_tok = sum(int((mb.labels[:, 1:] != IGNORE_INDEX).sum()) for mb in mbs)
     for mb in mbs:
         kw = {k: v for k, v in mb.images.items()}
-        kw["mm_token_type_ids"] = (mb.input_ids == IMAGE).int()
+        if family != "llava":
+            kw["mm_token_type_ids"] = (mb.input_ids == IMAGE).int()
         logits = ref(input_ids=mb.input_ids, use_cache=False, **kw).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  mb.labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX,
                                                  reduction="sum") / n_tok
         loss.backward()
-    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, overlap_optimizer=False)
+    engine = make_engine(store, cfg, device="cpu", checkpoint_interval=2, overlap_optimizer=False,
+                         frozen=store.adapter.vision.frozen_tiles(False, False))
     engine.forward_backward(mbs)
-    expected = {n: p.grad for n, p in ref.named_parameters()}
+    expected = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in ref.named_parameters()}
+    unused = [n for n, p in ref.named_parameters() if not expected[n].any()]
+    assert bool(unused) == (family == "llava") and all("layers.2." in n or "post_layernorm" in n for n in unused)
     checked = 0
     for hf, tile, place in store.hf_items():
         got = store.tiles[tile].grad[place.offset:place.offset + place.numel].view(place.shape)
         torch.testing.assert_close(got, expected[hf], rtol=1e-5, atol=1e-7, msg=lambda m: f"{hf}: {m}")
         checked += 1
     assert checked == len(expected)
-    assert any(store.adapter.vision.owns(hf) and "blocks.0." in hf for hf, _, _ in store.hf_items())
+    assert any(hf.startswith(store.adapter.vision.blocks_path + ".0.") for hf, _, _ in store.hf_items())
