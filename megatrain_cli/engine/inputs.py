@@ -73,7 +73,7 @@ def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: to
         if check_mask:
             check_mask_size(pos, adapter.sliding_window)
         feats = features[m] if features is not None else None
-        x = e
+        x, masks = e, None
         if mb.images is not None:
             if feats is None or mb.position_ids is not None:
                 raise ValueError("rows with images run in a training step only, one example per row (no packing)")
@@ -81,8 +81,9 @@ def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: to
                 x = adapter.vision.scatter(mb.input_ids, e, feats)
             mm_pos = adapter.vision.position_ids(mb.input_ids, mb.images)
             pos = mm_pos if mm_pos is not None else pos
+            masks = adapter.vision.decoder_masks(mb.input_ids, x)
         with torch.enable_grad():
-            call = layer_inputs(x, pos)
+            call = layer_inputs(x, pos, masks)
         transforms.append(None if call.hidden is e else (e, call.hidden, feats))
         h.append(call.hidden.detach())
         call.hidden = None  # held by h (and transforms) only: the long-context offloader may move it out

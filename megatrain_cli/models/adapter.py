@@ -64,7 +64,9 @@ class ModelAdapter:
         self.tied = self._head is not None and self._head.weight is self._embed.weight
         self.layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.input_scale = self._embedding_scale()
-        self.logit_softcap = families.logit_softcap(text)
+        # The model class's own config: Gemma 3's vision-language class applies no final softcap (its text config
+        # has one; only the text-only class reads it)
+        self.logit_softcap = families.logit_softcap(config)
         self.padding_idx = getattr(self._embed, "padding_idx", None)
         # A window shorter than the sequence needs a dense mask: Mistral's config applies it to every layer,
         # layer_types-style configs to their sliding layers only.

@@ -29,6 +29,7 @@ VERIFIED_VLM: dict[str, str] = {
     "qwen2_vl": "Qwen2-VL (dynamic resolution, multimodal RoPE, merger as projector)",
     "qwen2_5_vl": "Qwen2.5-VL (windowed vision attention, RMSNorm vision layers)",
     "llava": "LLaVA (CLIP / SigLIP tower, features from a hidden state, MLP projector, Llama / Qwen decoder)",
+    "gemma3": "Gemma 3 (SigLIP tower, pooled projector, image tokens attending both ways, scaled embeddings)",
 }
 # Children of the tower that project into the decoder's width (the rest of the tower is `vision.embed`).
 _PROJECTOR_IN_TOWER = ("merger",)
@@ -186,6 +187,22 @@ class VisionParts:
                                                image_features=features)
         mask = mask[0] if isinstance(mask, tuple) else mask
         return embeds.masked_scatter(mask, features.to(embeds.dtype))
+
+    def decoder_masks(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> dict | None:
+        """The decoder's attention masks when the family's own forward builds them from the image tokens
+        (Gemma 3: an image's tokens see each other both ways), by its modeling module's own functions;
+        None where the decoder's causal masks are the family's."""
+        import sys
+
+        module = sys.modules[type(self._base).__module__]
+        make = getattr(module, "create_masks_for_vision_model", None)
+        blocks = getattr(module, "get_block_sequence_ids_for_mask", None)
+        if make is None or blocks is None:
+            return None
+        types = (input_ids == self.image_token_id).long().to(embeds.device)  # the processor's token_type_ids
+        # (config, inputs_embeds, attention_mask, cache, position_ids): the cache's name differs by version
+        return make(self.config.get_text_config(), embeds, None, None, None,
+                    block_sequence_ids=blocks(types, device=embeds.device))
 
     def position_ids(self, input_ids: torch.Tensor, images: dict) -> torch.Tensor | None:
         """Multimodal rotary positions [3, B, T] from HF's `get_rope_index` (host), or None for a family

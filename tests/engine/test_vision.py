@@ -28,6 +28,17 @@ IMAGE, START, END = 100, 102, 103  # image / vision start / vision end token ids
 def tiny_vlm_config(family: str = "qwen2_vl", layers: int = 2, depth: int = 2):
     from transformers import AutoConfig
 
+    if family == "gemma3":  # SigLIP tower (28 px: 4 patches), pooled to 4 tokens, Gemma 3 text decoder
+        from tests.reference import FAMILY_EXTRAS
+
+        text = dict(FAMILY_EXTRAS["gemma3_text"], model_type="gemma3_text", hidden_size=32,
+                    num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, intermediate_size=48,
+                    vocab_size=120, max_position_embeddings=256, pad_token_id=0, bos_token_id=2, eos_token_id=1)
+        text["layer_types"] = (text["layer_types"] * layers)[:layers]
+        vision = dict(model_type="siglip_vision_model", hidden_size=32, num_hidden_layers=depth,
+                      num_attention_heads=4, intermediate_size=48, image_size=28, patch_size=14, vision_use_head=False)
+        return AutoConfig.for_model("gemma3", text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                    boi_token_id=START, eoi_token_id=END, mm_tokens_per_image=4)
     if family == "llava":  # CLIP tower (28 px: 4 patches + CLS), features from hidden state -2, Llama decoder
         text = dict(model_type="llama", hidden_size=32, num_hidden_layers=layers, num_attention_heads=4,
                     num_key_value_heads=2, intermediate_size=48, vocab_size=120, max_position_embeddings=256,
@@ -70,11 +81,11 @@ def image_rows(names: list[str], seed: int, family: str = "qwen2_vl") -> MicroBa
     Loss on the last tokens only, never on an image token."""
     from PIL import Image
 
-    processor = _clip_processor() if family == "llava" else _pil_processor()
+    processor = _clip_processor() if family in ("llava", "gemma3") else _pil_processor()
     out = processor(images=[Image.open(IMAGES / n).convert("RGB") for n in names], return_tensors="pt")
     g = torch.Generator().manual_seed(seed)
     rows = []
-    sizes = [4] * len(names) if family == "llava" else [int(thw.prod()) // 4 for thw in out["image_grid_thw"]]
+    sizes = [4] * len(names) if family in ("llava", "gemma3") else [int(thw.prod()) // 4 for thw in out["image_grid_thw"]]
     for n in sizes:
         text = torch.randint(3, 99, (SEQ - n - 5,), generator=g)
         rows.append(torch.cat([text[:3], torch.tensor([START] + [IMAGE] * n + [END]), text[3:]]))
@@ -95,7 +106,9 @@ def reference_vlm(store, config, frozen_prefixes=()):
 
     model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(store.hf_state_dict(), strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
+    assert not unexpected and missing == (["lm_head.weight"] if store.adapter.tied else []), (missing, unexpected)
+    if store.adapter.tied:  # Gemma 3: the head is the embedding's tensor
+        model.tie_weights()
     for name, p in model.named_parameters():
         if name.startswith(frozen_prefixes):
             p.requires_grad_(False)
@@ -126,6 +139,8 @@ def assert_parity(store, ref, ref_losses, results):
         assert res.grad_norm > 0.5, "clipping must be active in this test"
     ours = store.hf_state_dict()
     for name, expected in ref.state_dict().items():
+        if store.adapter.tied and name == "lm_head.weight":
+            continue  # the embedding's tensor
         torch.testing.assert_close(ours[name], expected, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
@@ -135,7 +150,7 @@ def test_every_verified_vlm_family_has_a_case():
     assert sorted(VERIFIED_VLM) == sorted(FAMILIES)
 
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -161,7 +176,7 @@ def test_frozen_parts_stay_bit_unchanged_and_the_rest_matches(freeze_vision, fre
     assert all(not torch.equal(ours[n], before[n]) for n in trained if "embed_tokens" not in n)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3"])
 def test_every_gradient_matches_the_plain_model(family):
     """One step's gradients, as they land in the host tiles (unclipped, summed over the micro-batches), equal
     the plain model's for every tensor: vision tower, projector, decoder, embedding rows. A tensor HF gives
@@ -174,8 +189,8 @@ def test_every_gradient_matches_the_plain_model(family):
     n_tok = sum(int((mb.labels[:, 1:] != IGNORE_INDEX).sum()) for mb in mbs)
     for mb in mbs:
         kw = {k: v for k, v in mb.images.items()}
-        if family != "llava":
-            kw["mm_token_type_ids"] = (mb.input_ids == IMAGE).int()
+        if family != "llava":  # Qwen2-VL's multimodal positions, Gemma 3's image masks
+            kw["mm_token_type_ids" if family.startswith("qwen") else "token_type_ids"] = (mb.input_ids == IMAGE).long()
         logits = ref(input_ids=mb.input_ids, use_cache=False, **kw).logits
         loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
                                                  mb.labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX,
