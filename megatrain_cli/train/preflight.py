@@ -136,10 +136,14 @@ def check_images_fit_model(r: Recipe, examples) -> None:
         vision, kind = "vision_config" in config, config.get("model_type", "?")
     else:
         vision, kind = is_vision_preset(r.model.preset), r.model.preset
+    where = RecordPlace(r.data.source)(first.record)
     if not vision:
-        raise TrainingError(f"data.source: {RecordPlace(r.data.source)(first.record)} has images but the model ({kind!r}) has no vision "
-                            f"tower; train a vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the "
-                            f"images from the data", 2)
+        raise TrainingError(f"data.source: {where} has images but the model ({kind!r}) has no vision tower; train a "
+                            f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the "
+                            f"data", 2)
+    if r.eval.every_n_steps:  # the forward-only passes do not take images yet
+        raise TrainingError(f"eval.every_n_steps: data with images ({where}) has no validation loss yet "
+                            f"(docs/vlm.md); set eval.every_n_steps=null", 2)
 
 
 def read_model_config(r: Recipe, tokenizer):

@@ -122,3 +122,15 @@ def test_a_text_only_model_given_images_is_refused(tmp_path):
         f"error: data.source: {data} line 1 has images but the model ('tiny') has no vision tower; train a "
         f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the data")
     assert not out.exists()
+
+
+def test_a_validation_loss_on_images_is_refused_with_the_fix(tmp_path):
+    data = write_data(tmp_path / "data", [chat("<image>what?", images=["red.png"])])
+    out = tmp_path / "run"
+    result = megatrain("train", RECIPE, f"data.source={data}", f"output_dir={out}", "train.steps=1",
+                       "eval.every_n_steps=2")
+    text = refused(result, 2)
+    assert text.strip().splitlines()[-1] == (
+        f"error: eval.every_n_steps: data with images ({data} line 1) has no validation loss yet (docs/vlm.md); "
+        f"set eval.every_n_steps=null")
+    assert not out.exists()
