@@ -209,3 +209,15 @@ def test_every_gradient_matches_the_plain_model(family):
         checked += 1
     assert checked == len(expected)
     assert any(hf.startswith(store.adapter.vision.blocks_path + ".0.") for hf, _, _ in store.hf_items())
+
+
+def test_the_layer_probe_cuts_a_vlm_to_one_decoder_and_one_tower_layer():
+    """The planner's probe times one decoder layer of each structure: a VLM's cut keeps one of each, not the
+    whole model (the text config holds the decoder's layer count)."""
+    from megatrain_cli.engine.layer_probe import cut_config
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.presets import PRESETS
+
+    cut, counts = cut_config(ModelAdapter(PRESETS["qwen2.5-vl-7b"].hf_config()))
+    adapter = ModelAdapter(cut)
+    assert (adapter.num_layers, counts, adapter.vision.depth) == (1, [28], 1)
