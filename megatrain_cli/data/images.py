@@ -18,7 +18,7 @@ from pathlib import Path
 from megatrain_cli.data.errors import DataError
 
 IMAGE = "<image>"  # the placeholder, as LLaMA-Factory writes it; models/processor text replaces it
-IMAGE_PART_TYPES = ("image", "image_url")
+IMAGE_PART_TYPES = ("image",)  # {type: image, image: PATH}; an image_url part stays refused (formats.py)
 IMAGES_FIELD = "images"
 
 
@@ -59,7 +59,6 @@ def image_turns(record: dict, messages_field: str, where: str, base: Path) -> tu
             for k, part in enumerate(content):
                 if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
                     path = part.get(part["type"])
-                    path = path.get("url") if isinstance(path, dict) else path
                     if not isinstance(path, str):
                         raise DataError(f"{where}: {messages_field}[{j}].{key}[{k}]: an image part needs its path "
                                         f"in {part['type']!r} ({{type: image, image: PATH}})")

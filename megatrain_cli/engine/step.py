@@ -80,6 +80,7 @@ class Engine:
         self.templates = TemplatePool(self.adapter)
         self.moe, self.router = moe_setup(self.adapter.config, self.templates, device)  # None, None if dense
         self.norm_template = self.adapter.make_norm_template()
+        self.vision = VisionPhase(self, frozen) if self.adapter.vision is not None else None  # a VLM's tower
         self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
         self.optimizer = HostAdamW(train, kernel=settings.host_adamw, defer_moments=settings.defer_moments)
         names = store.layer_names[:max(0, plan.resident_layers)]  # none: an empty set, every tile streamed
@@ -105,7 +106,6 @@ class Engine:
         updates = self.worker if self.worker is not None else NO_UPDATES
         self.streamer, self.sink = make_transfers(store, device, self.dtype, settings, updates, self.redirect.bind,
                                                   dist=dist)
-        self.vision = VisionPhase(self, frozen) if self.adapter.vision is not None else None
         lean = plan.lean
         dropped = frozenset(lean.dropped_checkpoints) if lean is not None else frozenset()
         self.ops = build_schedule(self.adapter.num_layers, self.interval, self.keep_blocks, dropped)
