@@ -115,7 +115,7 @@ def reference_vlm(store, config, frozen_prefixes=()):
     return model
 
 
-def run_both(family, *, freeze_vision=False, freeze_projector=False):
+def run_both(family, *, freeze_vision=False, freeze_projector=False, **settings):
     config = tiny_vlm_config(family)
     store = build_store(config, torch.float32, seed=3)
     vision = store.adapter.vision
@@ -128,7 +128,7 @@ def run_both(family, *, freeze_vision=False, freeze_projector=False):
     batches = vlm_batches(family)
     ref_losses = reference_train(ref, batches, cfg, STEPS)
     engine = make_engine(store, cfg, device="cpu", checkpoint_interval=1, loss_chunk_tokens=7,
-                         overlap_optimizer=False, frozen=frozen)
+                         **{"overlap_optimizer": False, **settings}, frozen=frozen)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
     return store, ref, ref_losses, results, before, prefixes
 
@@ -221,3 +221,14 @@ def test_the_layer_probe_cuts_a_vlm_to_one_decoder_and_one_tower_layer():
     cut, counts = cut_config(ModelAdapter(PRESETS["qwen2.5-vl-7b"].hf_config()))
     adapter = ModelAdapter(cut)
     assert (adapter.num_layers, counts, adapter.vision.depth) == (1, [28], 1)
+
+
+@pytest.mark.parametrize("freeze_vision", [False, True])
+def test_the_optimizer_thread_updates_the_image_side_as_the_plain_model(freeze_vision):
+    """The host optimizer's thread (CUDA's default: speculated, deferred updates in the next forward's order)
+    updates the tower's and the projector's tiles as the plain model does; a frozen tower stays as it was."""
+    store, ref, ref_losses, results, before, frozen = run_both("qwen2_vl", freeze_vision=freeze_vision,
+                                                               overlap_optimizer=True)
+    assert_parity(store, ref, ref_losses, results)
+    ours = store.hf_state_dict()
+    assert all(torch.equal(ours[n], before[n]) for n in frozen)
