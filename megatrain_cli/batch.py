@@ -22,6 +22,9 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, T] int64 (host)
     labels: torch.Tensor  # [B, T], IGNORE_INDEX where no loss (unshifted, as HF)
     position_ids: torch.Tensor | None = None  # [B, T]; resets to 0 where a packed document starts
+    # A vision-language model's images for these rows, in row order: the processor's tensors (pixel_values,
+    # image_grid_thw for Qwen2-VL), each concatenated over the images along dim 0. None: text only.
+    images: dict | None = None
 
 
 @dataclass

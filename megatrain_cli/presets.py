@@ -29,12 +29,20 @@ class Preset:
     max_position_embeddings: int = 32768
     rms_norm_eps: float = 1e-6
     extra: tuple[tuple[str, Any], ...] = ()  # further config fields, as (name, value) pairs
+    # A vision-language model: its vision config and top-level fields (token ids), as (name, value) pairs;
+    # the fields above are then its text config's.
+    vision: tuple[tuple[str, Any], ...] = ()
+    top: tuple[tuple[str, Any], ...] = ()
 
     @property
     def architecture(self) -> str:
-        """The causal-LM class transformers builds for this model_type (config.architectures[0])."""
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        """The class transformers builds for this model_type (config.architectures[0]): causal LM, or
+        image-text-to-text for a vision-language preset."""
+        from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                            MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
 
+        if self.vision:
+            return MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[self.model_type]
         return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.model_type]
 
     def hf_config(self, vocab_size: int | None = None, max_position_embeddings: int | None = None):
@@ -44,8 +52,7 @@ class Preset:
         extra = copy.deepcopy(dict(self.extra))
         # One RoPE base unless the family sets its own parameters (Gemma 3: one per layer type).
         rope = extra.pop("rope_parameters", {"rope_type": "default", "rope_theta": self.rope_theta})
-        return AutoConfig.for_model(
-            self.model_type,
+        text = dict(
             hidden_size=self.hidden_size,
             num_hidden_layers=self.num_hidden_layers,
             num_attention_heads=self.num_attention_heads,
@@ -56,9 +63,12 @@ class Preset:
             max_position_embeddings=max_position_embeddings or self.max_position_embeddings,
             rms_norm_eps=self.rms_norm_eps,
             rope_parameters=rope,
-            architectures=[self.architecture],
             **extra,
         )
+        if self.vision:
+            return AutoConfig.for_model(self.model_type, text_config=text, vision_config=dict(self.vision),
+                                        architectures=[self.architecture], **dict(self.top))
+        return AutoConfig.for_model(self.model_type, architectures=[self.architecture], **text)
 
 
 GEMMA_TOKENS = (("pad_token_id", 0), ("eos_token_id", 1), ("bos_token_id", 2))
@@ -69,6 +79,18 @@ GPT_OSS = (("head_dim", 64), ("num_experts_per_tok", 4), ("sliding_window", 128)
            ("rope_parameters", {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 4096, "rope_theta": 150000.0}),
            ("pad_token_id", 199999), ("eos_token_id", 200002))
+
+# Qwen/Qwen2.5-VL-7B-Instruct: the 7B decoder with multimodal RoPE, a 32-layer vision tower (windowed attention
+# but in 4 layers, RMSNorm, gated MLP) and its merger into the decoder's width.
+QWEN25_VL_7B_VISION = (("depth", 32), ("hidden_size", 1280), ("intermediate_size", 3420), ("num_heads", 16),
+                       ("out_hidden_size", 3584), ("patch_size", 14), ("spatial_merge_size", 2),
+                       ("temporal_patch_size", 2), ("window_size", 112), ("fullatt_block_indexes", [7, 15, 23, 31]),
+                       ("in_channels", 3), ("hidden_act", "silu"))
+QWEN_VL_TOKENS = (("image_token_id", 151655), ("video_token_id", 151656), ("vision_start_token_id", 151652),
+                  ("vision_end_token_id", 151653))
+# The bundled processor's ids (models/processor.py; tests/recipe/test_presets.py checks them).
+TINY_VL_TOKENS = (("image_token_id", 506), ("video_token_id", 507), ("vision_start_token_id", 504),
+                  ("vision_end_token_id", 505))
 
 PRESETS: dict[str, Preset] = {
     # vocab_size 0 = take the bundled tokenizer's size
@@ -126,6 +148,23 @@ PRESETS: dict[str, Preset] = {
     # checkpoints hold the experts in MXFP4; loading dequantises them to bf16 (models/families.py).
     "gpt-oss-20b": Preset("gpt_oss", 2880, 24, 64, 8, 2880, 201088, False, max_position_embeddings=131072,
                           rms_norm_eps=1e-5, extra=(("num_local_experts", 32), *GPT_OSS)),
+    # Vision-language: the tower trains too (model.freeze_vision); their tokenizer is the processor's.
+    "qwen2-vl-tiny": Preset("qwen2_vl", 64, 2, 4, 2, 128, 0, False, max_position_embeddings=4096,
+                            extra=(("rope_parameters", {"rope_type": "default", "rope_theta": 10000.0,
+                                                        "mrope_section": [2, 3, 3]}),),
+                            vision=(("depth", 2), ("embed_dim", 64), ("hidden_size", 64), ("num_heads", 4),
+                                    ("mlp_ratio", 2), ("patch_size", 14), ("spatial_merge_size", 2),
+                                    ("temporal_patch_size", 2), ("in_channels", 3)),
+                            top=TINY_VL_TOKENS),
+    "qwen2.5-vl-7b": Preset("qwen2_5_vl", 3584, 28, 28, 4, 18944, 152064, False, max_position_embeddings=128000,
+                            extra=(("rope_parameters", {"rope_type": "default", "rope_theta": 1_000_000.0,
+                                                        "mrope_section": [16, 24, 24]}),),
+                            vision=QWEN25_VL_7B_VISION, top=QWEN_VL_TOKENS),
     "gpt-oss-120b": Preset("gpt_oss", 2880, 36, 64, 8, 2880, 201088, False, max_position_embeddings=131072,
                            rms_norm_eps=1e-5, extra=(("num_local_experts", 128), *GPT_OSS)),
 }
+
+
+def is_vision_preset(name: str | None) -> bool:
+    """A vision-language preset: its tokenizer is the bundled processor's (models/processor.py)."""
+    return name in PRESETS and bool(PRESETS[name].vision)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU command the README and the recipes show, each shrunk to seconds, in one device call:
 # train (bf16 / fp32 / bf16 masters, resident auto / 0 / N, DPO), bench with and without engine.max_gpu_mem,
-# packed rows, the preference bench, the long-context path, mixture of experts, eval resident and streamed, export, `megatrain plan`,
+# packed rows, the preference bench, the long-context path, mixture of experts, a vision-language model (train, bench),
+# eval resident and streamed, export, `megatrain plan`,
 # and `--gpus 2` where two GPUs are present. Exit non-zero when any row fails; a summary table last.
 # Usage (on the GPU machine, repository root): bash scripts/gpu_smoke.sh   Logs: $OUT/smoke (or ./gpu-logs).
 set -u
@@ -60,6 +61,11 @@ row bench-dpo 400 megatrain bench recipes/dpo-7b.yaml --model 0.5b --seq 2048 --
 row bench-long-32k 400 megatrain bench --model 0.5b --seq 32k --batch 1 --steps 1 --output $W/bench-long-32k.json
 row bench-moe 400 megatrain bench --model qwen3-30b-a3b --layers 2 --seq 2048 --batch 2 $BENCH \
   --output $W/bench-moe.json
+# A vision-language model: the tiny Qwen2-VL recipe on the GPU (tower streamed, bf16), then the bench's image
+# rows against the same model whole on the GPU.
+row train-vlm-tiny 240 megatrain train recipes/vlm-tiny.yaml $BF16 $STEPS output_dir=$W/vlm
+row bench-vlm-native 300 megatrain bench --model qwen2-vl-tiny --seq 512 --batch 2 $BENCH --baseline native \
+  --output $W/bench-vlm-native.json
 if [ "$GPUS" -ge 2 ]; then
   row bench-gpus-2 400 megatrain bench --gpus 2 --model 0.5b --seq 2048 --batch 2 $BENCH --output $W/bench-gpus-2.json
   row train-gpus-2 300 megatrain train $TINY --gpus 2 $STEPS output_dir=$W/dp

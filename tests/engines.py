@@ -16,11 +16,11 @@ from megatrain_cli.recipe import EngineConfig, TrainConfig
 
 
 def make_engine(store, train: TrainConfig, *, device, dist=None, keep_blocks=frozenset(), lean=None, method=None,
-                **settings) -> Engine:
+                frozen=frozenset(), **settings) -> Engine:
     """An Engine over `store`. `settings`: engine.* keys (an unknown one is a TypeError naming it);
     `checkpoint_interval`, `loss_chunk_tokens` and `resident_layers` go into the plan, the rest stay
     settings. `keep_blocks`: the blocks that keep their activations; `lean`: a LeanPlan; `method`: a
-    preference method (methods/; None: SFT)."""
+    preference method (methods/; None: SFT); `frozen`: a VLM's tiles that do not train."""
     e = dataclasses.replace(EngineConfig(), **settings)
     # A lean plan's interval and loss chunk are the plan's, whatever the settings say (as plan_step's).
     interval, chunk = (lean.checkpoint_interval, lean.loss_chunk_tokens) if lean is not None else \
@@ -30,4 +30,4 @@ def make_engine(store, train: TrainConfig, *, device, dist=None, keep_blocks=fro
     # The engine reads how the step runs, never the plan's memory figures: none here.
     plan = StepPlan(memory=None, checkpoint_interval=interval, loss_chunk_tokens=chunk,
                     keep_blocks=frozenset(keep_blocks), lean=lean, resident_layers=resident)
-    return Engine(store, plan, e, train, device=torch.device(device), dist=dist, method=method)
+    return Engine(store, plan, e, train, device=torch.device(device), dist=dist, method=method, frozen=frozen)

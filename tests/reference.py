@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 
@@ -125,6 +126,11 @@ def reference_train(model, steps: list[list[MicroBatch]], cfg: TrainConfig, tota
                 kw = {"position_ids": mb.position_ids.to(dev)}  # (only without a KV cache: use_cache=False)
             if router_aux:
                 kw["output_router_logits"] = True
+            if mb.images is not None:  # a VLM's rows: the processor's tensors, and which tokens are image ones
+                kw.update({k: v.to(dev) for k, v in mb.images.items()})
+                for key in ("mm_token_type_ids", "token_type_ids"):  # Qwen2-VL's mrope, Gemma 3's image masks
+                    if key in inspect.signature(model.forward).parameters:
+                        kw[key] = (mb.input_ids == model.config.image_token_id).long().to(dev)
             with packed_masks(model, kw.get("position_ids")):
                 out = model(input_ids=mb.input_ids.to(dev), use_cache=False, **kw)
             logits = out.logits.float()

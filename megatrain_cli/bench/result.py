@@ -50,6 +50,7 @@ class BenchResult:
     # Packed rows (data.packing): documents per row, fill, and that the TFLOPS count attention within documents
     # (loop.BenchRows.describe); '': one document per row.
     packed: str = ""
+    images_per_s: float = 0.0  # a vision-language model's bench: images through the whole step per second
 
 
 def model_label(name: str, layers: int | None, full_layers: int | None = None) -> str:
@@ -76,6 +77,7 @@ def format_table(results: list[BenchResult]) -> str:
                      f"{r.host_rss_bytes / 2**30:8.1f} {r.bytes_per_param:8.1f}")
     ours = results[0] if results else None
     lines += [f"{r.name} {r.packed}" for r in results if r.packed]
+    lines += [f"{r.name}: {r.images_per_s:.1f} images/s" for r in results if r.images_per_s]
     if ours is not None and ours.predicted.get("step_s"):
         lines.append(f"{ours.name} predicted by the planner: {ours.predicted['step_s']:.2f} s/step "
                      f"(docs/planner.md; the probe's figures are in the JSON)")

@@ -68,9 +68,10 @@ def plan_bench(r: Recipe, layers: int | None = None, *, store_built: bool = Fals
     config = bench_model_config(r, layers)
     options = dict(store_built=store_built, budget=budget, one_process=one_process)
     plan = plan_step(r, ModelAdapter(config), device, **options)
-    planned = Planned(r, config, device, plan, model_label(model_name(r), layers, whole.num_hidden_layers),
+    whole_layers = whole.get_text_config().num_hidden_layers  # a VLM's decoder's
+    planned = Planned(r, config, device, plan, model_label(model_name(r), layers, whole_layers),
                       list(plan.problems))
-    if planned.long_context and config.num_hidden_layers != whole.num_hidden_layers:
+    if planned.long_context and config.get_text_config().num_hidden_layers != whole_layers:
         long_context.take_whole_models_plan(planned, ModelAdapter(whole), log=log, **options)
     log(planned.plan.render())
     lean = planned.plan.lean

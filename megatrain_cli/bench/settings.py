@@ -115,8 +115,10 @@ def bench_model_config(r: Recipe, layers: int | None = None):
     if layers is not None and r.model.path is not None:
         raise ValueError("--layers: presets only (model.preset); a model.path has its own layer count")
     config = model_config(r)
-    if layers is None or layers == config.num_hidden_layers:
+    if layers is None or layers == config.get_text_config().num_hidden_layers:
         return config
+    if getattr(config, "vision_config", None) is not None:
+        raise ValueError("--layers: not for a vision-language model (its tower and decoder run whole)")
     data = config.to_dict()
     data["num_hidden_layers"] = layers
     data.pop("layer_types", None)  # rebuilt for the new layer count

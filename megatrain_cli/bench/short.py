@@ -17,6 +17,7 @@ import torch
 
 from megatrain_cli.bench.loop import BENCH_LR, BenchRows, run_timed_steps, synthetic_batch
 from megatrain_cli.bench.result import BenchResult
+from megatrain_cli.bench.vision_rows import VisionRows
 from megatrain_cli.engine.plan.lean import GiB, fmt_bytes
 from megatrain_cli.machine import host_rss_bytes, peak_rss_bytes
 from megatrain_cli.metrics.flops import hf_matmul_params, model_flops, streamed_step_flops
@@ -33,10 +34,10 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
     r, plan, dev = planned.r, planned.plan, planned.device
     batch, seq, accum = r.train.micro_batch_size, r.train.seq_len, r.train.grad_accum
     warmup, steps, lean = run.warmup_steps(False), run.steps, plan.lean
-    vocab = planned.config.vocab_size
+    vocab = planned.config.get_text_config().vocab_size
     metrics = None
     try:
-        rows = BenchRows(r, vocab, steps=warmup + steps, micro_batches=accum)
+        rows = bench_rows(planned, steps=warmup + steps)
         t_pin = time.perf_counter()
         pinned = engine.reserve_checkpoint_buffers([(batch, seq)] * accum)  # 0 without a lean plan, and on CPU
         t_pin = time.perf_counter() - t_pin
@@ -99,7 +100,8 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
             h2d_gbps=(sum(x.h2d_bytes for x in results) + ckpt_h2d) / wall / 1e9,
             d2h_gbps=(sum(x.d2h_bytes for x in results) + ckpt_d2h) / wall / 1e9,
             overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=timed.losses,
-            notes=notes, grad_norms=[x.grad_norm for x in results], packed=rows.describe())
+            notes=notes, grad_norms=[x.grad_norm for x in results], packed=rows.describe(),
+            images_per_s=getattr(rows, "images_per_step", 0) / step_time)
         steady = timed.steady_step_s() if run.optimizer else None
         if steady:
             result.steady_step_time_s = steady
@@ -113,6 +115,14 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
         Path(run.frame).write_text(render_frame(metrics, title=f"megatrain bench {planned.label} {batch}x{seq}",
                                                 total_steps=warmup + steps))
     return result
+
+
+def bench_rows(planned, *, steps: int):
+    """The step's rows: a VLM's synthetic chats with images (vision_rows.py), else BenchRows."""
+    r, config = planned.r, planned.config
+    if getattr(config, "vision_config", None) is not None:
+        return VisionRows(r, config, micro_batches=r.train.grad_accum)
+    return BenchRows(r, config.vocab_size, steps=steps, micro_batches=r.train.grad_accum)
 
 
 def render_frame(metrics, *, title: str, total_steps: int, width: int = 132) -> str:
@@ -133,16 +143,19 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
     runs it natively; it needs the whole model's weights, gradients and moments in device memory.) The
     step's train.grad_accum micro-batches of train.micro_batch_size rows each, accumulated as HF's Trainer
     does (the engine's shape: one [rows x seq x vocab] logits tensor at a time, not the whole step's)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     config, t = planned.config, planned.r.train
     batch, seq, warmup, steps = t.micro_batch_size * t.grad_accum, t.seq_len, run.warmup_steps(False), run.steps
     rows, accum = t.micro_batch_size, t.grad_accum
+    vision = VisionRows(planned.r, config, micro_batches=accum) if getattr(config, "vision_config", None) else None
+    text = config.get_text_config()
     dev = torch.device("cuda")
     with torch.device(dev):
         # HF's own attention choice, as the engine's templates make it (SDPA; eager where a family needs it,
         # e.g. Gemma 2's attention softcap, gpt-oss's sinks): the same model, not a faster relative.
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        auto = AutoModelForImageTextToText if vision is not None else AutoModelForCausalLM
+        model = auto.from_config(config, dtype=torch.bfloat16)
     model.gradient_checkpointing_enable()
     model.config.use_cache = False
     if getattr(config, "router_aux_loss_coef", 0):  # MoE: HF adds coef * router aux loss to out.loss, as ours does
@@ -155,11 +168,19 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
         if s == warmup:
             torch.cuda.synchronize(dev)
             t_timed = time.perf_counter()
-        mb = synthetic_batch(config.vocab_size, batch, seq, seed=s * 97)
+        mbs = vision(s) if vision is not None else None  # ours' image rows, micro-batch by micro-batch
+        mb = synthetic_batch(text.vocab_size, batch, seq, seed=s * 97) if vision is None else None
         loss = 0.0
         for a in range(accum):  # every row of a synthetic batch carries the same number of loss tokens
             part = slice(a * rows, (a + 1) * rows)
-            out = model(input_ids=mb.input_ids[part].to(dev), labels=mb.labels[part].to(dev))
+            if vision is None:
+                out = model(input_ids=mb.input_ids[part].to(dev), labels=mb.labels[part].to(dev))
+            else:
+                ids, images = mbs[a].input_ids.to(dev), mbs[a].images
+                out = model(input_ids=ids, labels=mbs[a].labels.to(dev),
+                            pixel_values=images["pixel_values"].to(dev, torch.bfloat16),
+                            image_grid_thw=images["image_grid_thw"].to(dev),
+                            mm_token_type_ids=(ids == config.image_token_id).int())
             (out.loss / accum).backward()
             loss += float(out.loss.detach()) / accum
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -170,7 +191,7 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
     torch.cuda.synchronize(dev)
     wall = time.perf_counter() - t_timed
     matmul = hf_matmul_params(model)  # ACTIVE parameters for an MoE model, as the engine's row counts
-    flops = model_flops(matmul, batch * seq, batch, seq, config.hidden_size, config.num_hidden_layers)
+    flops = model_flops(matmul, batch * seq, batch, seq, text.hidden_size, text.num_hidden_layers)
     step_time = wall / steps
     res = BenchResult(
         name="native", model=planned.label, batch=batch, seq=seq, steps=steps, step_time_s=step_time,
@@ -178,7 +199,8 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
         executed_tflops=flops * 4 / 3 / step_time / 1e12, peak_device_bytes=torch.cuda.max_memory_allocated(dev),
         host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(), losses=losses,
         notes=f"bf16 params+grads+AdamW state on the GPU, HF gradient checkpointing, fused AdamW, "
-              f"{accum} micro-batch(es) of {rows} rows")
+              f"{accum} micro-batch(es) of {rows} rows" + (f"; {vision.describe()}" if vision is not None else ""),
+        images_per_s=vision.images_per_step / step_time if vision is not None else 0.0)
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()

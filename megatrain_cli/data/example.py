@@ -18,6 +18,9 @@ class Example:
     # Why the record cannot be read (a NaN where text belongs); '' when it can. Kept in place so the seeded
     # split stays the same; training and eval leave it out, and training says so.
     unusable: str = ""
+    # A vision-language chat's images (resolved paths), one per IMAGE placeholder in its text, in order
+    # (data/images.py); empty for text.
+    images: list[str] = field(default_factory=list)
 
     def messages(self) -> list[dict]:
         """The whole conversation, ending in the reply."""

@@ -20,6 +20,8 @@ import math
 from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
 from megatrain_cli.data.answers import extract_answer
+from megatrain_cli.data.images import has_images, image_turns, source_dir
+from megatrain_cli.data.sources import RecordPlace
 
 REQUIRED_FIELDS = {
     "metamathqa": ("query", "response"),
@@ -106,12 +108,16 @@ def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str)
     gold_field = fields.get(GOLD_KEY)
     system_field = fields.get(SYSTEM_KEY, SYSTEM_KEY)
     examples = []
+    place, base = RecordPlace(label), source_dir(label)
     for i, record in enumerate(records):
         where = f"{label}: record {i}"
         if not isinstance(record, dict):
             raise DataError(f"{where} is a {type(record).__name__}, expected an object with fields")
         try:
-            example = convert(record, fmt, fields, where)
+            if fmt == "messages" and has_images(record, field_name(fmt, "messages", fields, record)):
+                example = _image_messages(record, fields, place(i), base)  # data/images.py
+            else:
+                example = convert(record, fmt, fields, where)
         except _NotText as err:  # JSON's NaN / Infinity (or a parquet null float) where text belongs
             examples.append(Example("", "", record=i, unusable=f"field {err.args[0]!r} is {err.args[1]}, not text"))
             continue
@@ -123,8 +129,8 @@ def records_to_examples(records: list[dict], fmt: str, fields: dict, label: str)
             raise DataError(f"{where}: missing field {system_field!r} (data.fields.system)")
         if gold_field is not None:
             example.answer = _gold(record, gold_field, where)
-        else:
-            example.answer = extract_answer(example.response)
+        else:  # a question about images: its reply is the gold (eval/images.py's exact match)
+            example.answer = example.response.strip() if example.images else extract_answer(example.response)
         examples.append(example)
     return examples
 
@@ -202,6 +208,15 @@ def _messages(record: dict, fmt: str, fields: dict, where: str) -> Example:
     if len(messages) < 2 or messages[-2]["role"] != "user":
         raise DataError(f"{where}: the assistant's reply in {name!r} should follow a user message")
     return Example(messages[-2]["content"], messages[-1]["content"], history=messages[:-2], chat=True)
+
+
+def _image_messages(record: dict, fields: dict, where: str, base) -> Example:
+    """A chat with images: placeholders in its text, the images' paths checked (data/images.py)."""
+    name = field_name("messages", "messages", fields, record)
+    turns, images = image_turns(record, name, where, base)
+    example = _messages({**record, name: turns}, "messages", fields, where)
+    example.images = images
+    return example
 
 
 def read_message(turn, where: str) -> dict:

@@ -19,7 +19,8 @@ from megatrain_cli.recipe.checks import REGISTRY_PREFIX
 from megatrain_cli.recipe.load import not_utf8, read_utf8
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
-BUILTIN_SOURCES = {"sample_math": ASSETS_DIR / "sample_math.jsonl"}  # made by data/sample_math.py
+BUILTIN_SOURCES = {"sample_math": ASSETS_DIR / "sample_math.jsonl",  # made by data/sample_math.py
+                   "sample_vlm": ASSETS_DIR / "vlm_sample" / "data.jsonl"}  # chats about the PNGs beside it
 BUILTIN_NAMES = (*BUILTIN_SOURCES, *GENERATED)  # GENERATED (data/sample_pref.py): made when read, no file
 FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
 # Files `datasets.save_to_disk` writes: a Dataset writes state.json, a DatasetDict dataset_dict.json.

@@ -90,11 +90,11 @@ class TrainData:
         if micro_batch_size < 1 or grad_accum < 1:
             raise ValueError(f"micro_batch_size and grad_accum must be >= 1, got {micro_batch_size}, {grad_accum}")
         row_ids = self._take(micro_batch_size * grad_accum)
-        batches = []
-        for lo in range(0, len(row_ids), micro_batch_size):
-            ids, labels, pos = zip(*(self.build_row(r) for r in row_ids[lo:lo + micro_batch_size]))
-            batches.append(MicroBatch(torch.stack(ids), torch.stack(labels), torch.stack(pos)))
-        return batches
+        return [self.micro_batch(row_ids[lo:lo + micro_batch_size]) for lo in range(0, len(row_ids), micro_batch_size)]
+
+    def micro_batch(self, rows: list[int]) -> MicroBatch:
+        ids, labels, pos = zip(*(self.build_row(r) for r in rows))
+        return MicroBatch(torch.stack(ids), torch.stack(labels), torch.stack(pos))
 
     def _take(self, count: int) -> list[int]:
         taken: list[int] = []

@@ -23,8 +23,9 @@ class StepInputs:
     inverse: torch.Tensor  # ids -> index into uniq (device)
     h: list  # per micro-batch layer-0 inputs [B, T, H] (device, detached)
     calls: list  # per micro-batch LayerCall: every layer's keyword arguments
-    transforms: list  # per micro-batch (embedding output, layer-0 input) when HF's decoder code transformed
-    #                   one into the other (a multiplier in the decoder's forward: see layer_inputs.py), else None
+    transforms: list  # per micro-batch (embedding output, layer-0 input, image features or None) when HF's
+    #                   decoder code transformed one into the other (a multiplier in the decoder's forward: see
+    #                   layer_inputs.py; a VLM's image features placed), else None
     labels: list  # per micro-batch labels shifted by one, IGNORE_INDEX at the end of each row
     offsets: list  # per micro-batch (start, end) into the flat ids
     loss_tokens: int  # tokens that carry loss, over every rank's micro-batches
@@ -44,9 +45,11 @@ def check_mask_size(pos: torch.Tensor, window: int | None) -> None:
 
 
 def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: torch.device, dtype: torch.dtype,
-                dist=None, check_mask: bool = False) -> StepInputs:
+                dist=None, check_mask: bool = False, features: list | None = None) -> StepInputs:
     """`layer_inputs`: the adapter's LayerInputs on this device. `check_mask`: refuse rows too long for a
-    dense mask (check_mask_size), on the long-context path."""
+    dense mask (check_mask_size), on the long-context path. `features`: a vision-language model's image
+    features per micro-batch (engine/vision_phase.py), placed at its image tokens with HF's own mask; its
+    rows then take the family's multimodal positions (models/vision.py)."""
     adapter = store.adapter
     H = adapter.hidden_size
     ids_all = torch.cat([mb.input_ids.reshape(-1) for mb in mbs])
@@ -60,7 +63,7 @@ def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: to
     inv_dev = inverse.to(device)
     h, calls, transforms, labels, offsets = [], [], [], [], []
     n_loss_tokens, start = 0, 0
-    for mb in mbs:
+    for m, mb in enumerate(mbs):
         b, t = mb.input_ids.shape
         offsets.append((start, start + b * t))
         e = rows[inv_dev[start:start + b * t]].view(b, t, H).requires_grad_()
@@ -69,9 +72,19 @@ def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: to
         pos = pos.cpu()  # read on the host (documents, the mask check), moved by layer_inputs
         if check_mask:
             check_mask_size(pos, adapter.sliding_window)
+        feats = features[m] if features is not None else None
+        x, masks = e, None
+        if mb.images is not None:
+            if feats is None or mb.position_ids is not None:
+                raise ValueError("rows with images run in a training step only, one example per row (no packing)")
+            with torch.enable_grad():
+                x = adapter.vision.scatter(mb.input_ids, e, feats)
+            mm_pos = adapter.vision.position_ids(mb.input_ids, mb.images)
+            pos = mm_pos if mm_pos is not None else pos
+            masks = adapter.vision.decoder_masks(mb.input_ids, x)
         with torch.enable_grad():
-            call = layer_inputs(e, pos)
-        transforms.append(None if call.hidden is e else (e, call.hidden))
+            call = layer_inputs(x, pos, masks)
+        transforms.append(None if call.hidden is e else (e, call.hidden, feats))
         h.append(call.hidden.detach())
         call.hidden = None  # held by h (and transforms) only: the long-context offloader may move it out
         calls.append(call)
@@ -103,11 +116,13 @@ def embed_scale(adapter, dtype: torch.dtype) -> float:
     return float(torch.tensor(adapter.input_scale, dtype=torch.float32).to(dtype))
 
 
-def embed_output_grad(transform, grad: torch.Tensor) -> torch.Tensor:
-    """d loss / d embedding output, from d loss / d layer-0 input: through HF's decoder code when it
-    transformed the embeddings (autograd over its few elementwise ops), else the same tensor."""
+def embed_output_grads(transform, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(d loss / d embedding output, d loss / d image features or None), from d loss / d layer-0 input:
+    through HF's decoder code when it transformed the embeddings (autograd over its few elementwise ops;
+    a VLM's image features placed among them), else the same tensor."""
     if transform is None:
-        return grad
-    embeds, hidden = transform
-    (out,) = torch.autograd.grad(hidden, embeds, grad)
-    return out
+        return grad, None
+    embeds, hidden, feats = transform
+    wrt = [embeds] + ([feats] if feats is not None and feats.requires_grad else [])
+    out = torch.autograd.grad(hidden, wrt, grad)
+    return out[0], (out[1] if len(out) > 1 else None)

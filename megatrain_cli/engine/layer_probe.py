@@ -34,13 +34,19 @@ def cut_config(adapter):
     and for each the number of the model's layers it stands for."""
     types = adapter.layer_types
     distinct = list(dict.fromkeys(types))
-    data = adapter.config.to_dict()
+    whole = adapter.config.to_dict()
+    # A vision-language model: its decoder's numbers are in text_config; its tower is cut to one layer (the
+    # probe times decoder layers; the tower is not priced yet, docs/vlm.md)
+    data = whole["text_config"] if "vision_config" in whole else whole
     data["num_hidden_layers"] = len(distinct)
-    if getattr(adapter.config, "layer_types", None) is not None:
+    if getattr(adapter.text_config, "layer_types", None) is not None:
         data["layer_types"] = distinct
     else:
         data.pop("layer_types", None)
-    return type(adapter.config).from_dict(data), [types.count(t) for t in distinct]
+    if "vision_config" in whole:
+        vision = whole["vision_config"]
+        vision["depth" if "depth" in vision else "num_hidden_layers"] = 1
+    return type(adapter.config).from_dict(whole), [types.count(t) for t in distinct]
 
 
 def host_bytes_to_measure(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,

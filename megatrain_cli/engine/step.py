@@ -15,7 +15,7 @@ import torch
 
 from megatrain_cli.batch import MicroBatch, StepResult
 from megatrain_cli.engine import kernel_patch
-from megatrain_cli.engine.inputs import embed_output_grad, step_inputs
+from megatrain_cli.engine.inputs import embed_output_grads, step_inputs
 from megatrain_cli.engine.embed_backward import embed_backward
 from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.head import run_head
@@ -31,6 +31,7 @@ from megatrain_cli.engine.lean_layers import SDPA_BACKENDS, sdpa_backend_context
 from megatrain_cli.engine.transfer import make_transfers
 from megatrain_cli.engine.transfer.updates import NO_UPDATES
 from megatrain_cli.engine.transfer.offload import CheckpointOffloader
+from megatrain_cli.engine.vision_phase import VisionPhase
 from megatrain_cli.methods import GRPO, SFT, MetricTotals, PreferenceMethod
 from megatrain_cli.optim.host_adamw import HostAdamW, clip_coefficient
 from megatrain_cli.optim.worker import OptimizerWorker
@@ -44,18 +45,15 @@ if TYPE_CHECKING:  # annotations only: torch.distributed is imported only by a d
 
 
 class Engine:
-    """Drives plain HF layer modules over a host store, one streamed layer at a time: the schedule, the
-    templates, the transfers (engine/transfer/) and the host optimizer (optim/) composed as
-    docs/architecture.md ("The step") says. Built from how the step runs (`plan`: interval, kept blocks,
-    loss chunk, lean plan, resident layers) and the recipe's `settings`, taken as given; what a run takes
-    of them on its machine is train/setup.py's build_engine's. `dist` (engine/dist.py): one data-parallel
-    rank over its ShardedHostStore. `method` (methods/): what the loss is, SFT's token-mean cross-entropy
-    unless a preference method is handed in (engine/preference_head.py). Options change how, never what:
-    every combination computes the same step.
-    """
+    """Drives plain HF layer modules over a host store, one streamed layer at a time, as docs/architecture.md
+    ("The step") says. `plan` (interval, kept blocks, loss chunk, lean plan, resident layers) and `settings`
+    are taken as given (train/setup.py's build_engine chooses them); `dist`: one data-parallel rank over its
+    ShardedHostStore; `method`: the loss (methods/, SFT's token mean unless handed one); `frozen`: tiles that
+    never train. Options change how, never what: every combination computes the same step."""
 
     def __init__(self, store: HostStore, plan: StepPlan, settings: EngineConfig, train: TrainConfig, *,
-                 device: torch.device, dist: DistContext | None = None, method: SFT | PreferenceMethod | GRPO | None = None):
+                 device: torch.device, dist: DistContext | None = None, method: SFT | PreferenceMethod | GRPO | None = None,
+                 frozen: frozenset[str] = frozenset()):
         if settings.sdpa not in SDPA_BACKENDS:
             raise ValueError(f"unknown SDPA backend {settings.sdpa!r}; one of {', '.join(SDPA_BACKENDS)}")
         if dist is not None and not isinstance(store, ShardedHostStore):
@@ -65,7 +63,10 @@ class Engine:
                              f"of {dist.world}")
         if plan.resident_layers and dist is not None:
             raise ValueError("resident_layers needs one process: a data-parallel rank holds a shard of each layer")
+        if store.adapter.vision is not None and dist is not None:
+            raise ValueError("a vision-language model trains in one process here (no data parallel yet)")
         self.plan, self.settings, self.dist = plan, settings, dist
+        self.frozen = frozen  # a VLM's model.freeze_vision / freeze_projector
         self.method = method if method is not None else SFT()
         self.kernels = kernel_patch.resolve(settings.kernels, device)  # 'torch' or 'triton'
         self.store, self.train_cfg, self.device = store, train, device
@@ -75,6 +76,7 @@ class Engine:
         self.templates = TemplatePool(self.adapter)
         self.moe, self.router = moe_setup(self.adapter.config, self.templates, device)  # None, None if dense
         self.norm_template = self.adapter.make_norm_template()
+        self.vision = VisionPhase(self, frozen) if self.adapter.vision is not None else None  # a VLM's tower
         self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
         # With a disk tier (store.disk) each tile's state is touched once a step, by one update pass, in the
         # order the tier reads ahead: no speculation (corrections), no deferred moments (a second pass).
@@ -194,8 +196,7 @@ class Engine:
         return res
 
     @property
-    def fused_ce(self):
-        """The fused linear + cross-entropy kernel the head runs, or None on the PyTorch path."""
+    def fused_ce(self):  # the fused linear + cross-entropy kernel the head runs, or None on the PyTorch path
         return self._fused_ce
 
     def recomputed_layers(self) -> int:
@@ -209,8 +210,10 @@ class Engine:
         return self.plan.lean.mlp_chunk_tokens if self.plan.lean is not None else None
 
     def update_order(self) -> list[str]:
-        """The order the next forward reads the host-updated tiles: embedding rows, layers, head."""
-        return [t for t in ("embed", *self.store.layer_names, "head") if t not in self.resident]
+        """The order the next forward reads the host-updated tiles: a VLM's image side, embedding rows,
+        layers, head; frozen tiles never update."""
+        image_side = self.vision.trainable if self.vision is not None else []
+        return [t for t in (*image_side, "embed", *self.store.layer_names, "head") if t not in self.resident]
 
     def acquire(self, tile: str) -> torch.Tensor:
         """A tile's weights on the device: a resident tile's own buffer, else the streamer's slot."""
@@ -245,7 +248,8 @@ class Engine:
         times: dict[str, float] = {}
         if not self.resident.loaded:
             self.resident.load()  # here, not at construction: a resume fills the host tiles in between
-        self.streamer.begin_step([t for t in fetch_order(self.ops) if t not in self.resident])
+        image_in, image_back = self.vision.fetch_order() if self.vision is not None else ([], [])  # a VLM's tower
+        self.streamer.begin_step([*image_in, *[t for t in fetch_order(self.ops) if t not in self.resident], *image_back])
         if self.dist is None:  # ranks start their all-gathers in step with each other, at the first acquire
             self.streamer.prefetch_first()
         t_start = time.perf_counter()
@@ -257,14 +261,15 @@ class Engine:
             self.streamer.idle_while(lambda: self.worker.wait("embed"))
         if self.dist is not None:
             self.sink.reset()
+        sq_norm = torch.zeros((), dtype=torch.float64, device=dev)  # engine/grad_norm.py says why fp64
+        feats = self.vision.forward(mbs, sq_norm) if self.vision is not None else None  # the tower streams
         x = step_inputs(mbs, self.store, self.streamer, self.layer_inputs, dev, self.dtype, self.dist,
-                        check_mask=self.plan.lean is not None)
+                        check_mask=self.plan.lean is not None, features=feats)
         ids_all, uniq, inv_dev, h, ctx, labels, offsets = x.ids, x.uniq, x.inverse, x.h, x.calls, x.labels, x.offsets
         n_loss_tokens = x.loss_tokens
         if self.router is not None:
             self.router.begin(len(mbs))
         norm_scale = 1.0 / max(1, n_loss_tokens)
-        sq_norm = torch.zeros((), dtype=torch.float64, device=dev)  # engine/grad_norm.py says why fp64
 
         graphs: dict[int, tuple[list, list, dict]] = {}  # layer -> (inputs, outputs, leaves)
         pref = None  # a preference step's head: its metrics and units
@@ -319,8 +324,10 @@ class Engine:
                         self.acquire(op.tile)
                         grads_out = self._backward_layer(op.layer, grads_out, graphs, sq_norm)
                     elif op.kind == "embed_backward":
-                        grads_out = [embed_output_grad(tr, g) for tr, g in zip(x.transforms, grads_out)]
-                        embed_backward(self, grads_out, uniq, inv_dev, offsets, head_grad, sq_norm)
+                        outs = [embed_output_grads(tr, g) for tr, g in zip(x.transforms, grads_out)]
+                        embed_backward(self, [o[0] for o in outs], uniq, inv_dev, offsets, head_grad, sq_norm)
+                        if self.vision is not None:  # the image side's backward: the tower streams again
+                            self.vision.backward([o[1] for o in outs])
                     if self.on_op is not None:
                         self.on_op(op)  # its host work is issued
         except torch.cuda.OutOfMemoryError as err:

@@ -55,6 +55,12 @@ def run_eval(r: Recipe, model_path: str, *, split: str = "test", mode: str = "au
         examples = protocol.with_fewshot(examples, split_examples(everything, cfg)[0], ecfg.num_fewshot,
                                          ecfg.fewshot_seed)
     prompt_template = protocol.template(ecfg, cfg)
+    if any(ex.images for ex in examples):  # questions about images: the VLM's own class (eval/images.py)
+        from megatrain_cli.eval.images import run_image_eval
+
+        return run_image_eval(examples, model_path, template=prompt_template, extract=ecfg.extract,
+                              max_new_tokens=max_new_tokens, device=dev, output_dir=output_dir,
+                              label=source_label(cfg), split=split, log=log)
 
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     tokenizer = load_eval_tokenizer(model_path)

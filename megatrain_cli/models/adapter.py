@@ -20,6 +20,7 @@ from torch import nn
 from megatrain_cli.models import families
 from megatrain_cli.models.attention import use_entry
 from megatrain_cli.models.families import UnsupportedModel
+from megatrain_cli.models.vision import VERIFIED_VLM, VisionParts, is_vision_language
 from megatrain_cli.store.tiles import ParamSpec
 
 UnsupportedArchitecture = UnsupportedModel  # the name older callers catch
@@ -37,32 +38,40 @@ class ModelAdapter:
     """Splits one HF decoder-only causal-LM config into pieces the engine can stream."""
 
     def __init__(self, config: Any):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         self.config = config
+        # A vision-language model's decoder numbers are its text config's (the model's own config otherwise).
+        self.text_config = config.get_text_config() if is_vision_language(config) else config
+        text = self.text_config
         self.model_type = families.model_type(config)
-        self.num_layers = int(config.num_hidden_layers)
-        self.hidden_size = int(config.hidden_size)
-        self.vocab_size = int(config.vocab_size)
+        self.num_layers = int(text.num_hidden_layers)
+        self.hidden_size = int(text.hidden_size)
+        self.vocab_size = int(text.vocab_size)
+        auto = AutoModelForImageTextToText if is_vision_language(config) else AutoModelForCausalLM
         try:
             with torch.device("meta"):
                 # Meta tensors: this costs no memory, even for a 72B config. HF picks the attention code
                 # (SDPA where the family supports it; eager for Gemma 2's attention softcap).
-                self._meta = AutoModelForCausalLM.from_config(config)
+                self._meta = auto.from_config(config)
         except ValueError as err:  # transformers: "Unrecognized configuration class ... for AutoModelForCausalLM"
-            raise UnsupportedModel(f"model type {self.model_type!r} is not a causal language model transformers "
+            kind = "vision-language" if auto is AutoModelForImageTextToText else "causal language"
+            raise UnsupportedModel(f"model type {self.model_type!r} is not a {kind} model transformers "
                                    f"knows ({str(err).splitlines()[0]})") from None
         self.architecture = type(self._meta).__name__
+        self.vision: VisionParts | None = None
         self._find_parts()
         self.tied = self._head is not None and self._head.weight is self._embed.weight
-        self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        self.layer_types = list(getattr(text, "layer_types", None) or ["full_attention"] * self.num_layers)
         self.input_scale = self._embedding_scale()
+        # The model class's own config: Gemma 3's vision-language class applies no final softcap (its text config
+        # has one; only the text-only class reads it)
         self.logit_softcap = families.logit_softcap(config)
         self.padding_idx = getattr(self._embed, "padding_idx", None)
         # A window shorter than the sequence needs a dense mask: Mistral's config applies it to every layer,
         # layer_types-style configs to their sliding layers only.
-        window = getattr(config, "sliding_window", None)
-        typed = getattr(config, "layer_types", None)
+        window = getattr(text, "sliding_window", None)
+        typed = getattr(text, "layer_types", None)
         has_sliding = any("sliding" in t for t in typed) if typed else window is not None
         self.sliding_window = int(window) if window and has_sliding else None
 
@@ -98,10 +107,13 @@ class ModelAdapter:
         self._norm_path = _path_of(meta, self._norm)
         self._head_path = _path_of(meta, self._head) if not self._head.weight is self._embed.weight else None
         self._layers_path = _path_of(meta, self._layers)
+        if is_vision_language(self.config):
+            self.vision = VisionParts(meta, decoder, self.config)
         extra = {n for n, _ in meta.named_parameters()} - {
             n for n, _ in meta.named_parameters()
             if n.startswith((self._embed_path + ".", self._layers_path + ".", self._norm_path + "."))
-            or (self._head_path is not None and n.startswith(self._head_path + "."))}
+            or (self._head_path is not None and n.startswith(self._head_path + "."))
+            or (self.vision is not None and self.vision.owns(n))}
         if extra:
             raise UnsupportedModel(f"{where}: parameters outside embedding, layers, final norm and head: "
                                    f"{sorted(extra)[:4]}")
@@ -132,8 +144,14 @@ class ModelAdapter:
             specs.append(ParamSpec("lm_head.weight", (self.vocab_size, self.hidden_size)))
         return specs
 
+    def extra_tiles(self) -> list[tuple[str, list[ParamSpec]]]:
+        """Tiles beyond embedding, layers and head: a vision-language model's image side (models/vision.py)."""
+        return self.vision.tiles() if self.vision is not None else []
+
     def hf_name(self, tile: str, name: str) -> str:
         """Map (tile, name inside the tile) to the HF state-dict key (the meta model's module paths)."""
+        if tile.startswith("vision."):
+            return self.vision.hf_name(tile, name)
         if tile == "embed":
             return f"{self._embed_path}.{name}"
         if tile == "head":
@@ -168,7 +186,7 @@ class ModelAdapter:
             return None
         meta_rotary = getattr(self._decoder, self._rotary_attr)
         with torch.device("cpu"):  # inv_freq is computed in fp32 on the host, then moved
-            rotary = type(meta_rotary)(config=self.config)
+            rotary = type(meta_rotary)(config=self.text_config)
         return rotary.to(device)
 
     def make_layer_inputs(self, device: torch.device):
@@ -186,7 +204,7 @@ class ModelAdapter:
         return float(w.detach().flatten()[0]) if w is not None else 1.0
 
     def init_std(self) -> float:
-        return float(getattr(self.config, "initializer_range", 0.02))
+        return float(getattr(self.text_config, "initializer_range", 0.02))
 
 
 def check_architecture(config: Any, allow_unverified: bool = False) -> str | None:
@@ -194,7 +212,10 @@ def check_architecture(config: Any, allow_unverified: bool = False) -> str | Non
     warning to print for an allowed one. Whether the model splits into streamable parts at all is
     ModelAdapter's check, asked first for an unverified family: model.allow_unverified is suggested only
     where it would work (GPT-2's learned positions or BERT's head would be refused right after)."""
-    verified = [*families.VERIFIED, *families.VERIFIED_MOE]
+    verified = [*families.VERIFIED, *families.VERIFIED_MOE, *VERIFIED_VLM]
+    if families.model_type(config) in VERIFIED_VLM:
+        ModelAdapter(config)  # its parts are found, or it says which it could not find
+        return None
     if families.model_type(config) not in verified:
         try:
             ModelAdapter(config)

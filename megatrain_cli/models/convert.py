@@ -53,10 +53,11 @@ def _same(a: Any) -> str:
 
 
 def _meta_model(config: Any):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):  # the config is copied: from_config may set attributes on it
-        return AutoModelForCausalLM.from_config(copy.deepcopy(config))
+        return auto.from_config(copy.deepcopy(config))
 
 
 @dataclass

@@ -83,15 +83,17 @@ class LayerInputs:
         packed.config = config_with_entry(decoder.config)
         self._packed_shell = packed.train()
 
-    def __call__(self, embeds: torch.Tensor, position_ids: torch.Tensor) -> LayerCall:
+    def __call__(self, embeds: torch.Tensor, position_ids: torch.Tensor, masks: dict | None = None) -> LayerCall:
         """Run HF's decoder forward on `embeds` [B, T, H] (autograd follows it: see module doc).
         `position_ids` [B, T]: best on the host (the documents are read there; they move to the device
-        here)."""
+        here). `masks`: per-layer-type masks the decoder takes as they are (a VLM family's own: Gemma 3's)."""
         self._record.clear()
-        docs = document_bounds(position_ids)
+        # [3, B, T]: a VLM's multimodal rotary positions (one example per row, never packed)
+        docs = document_bounds(position_ids) if position_ids.dim() == 2 else None
         pos = position_ids.to(embeds.device)
         if docs is None:
-            out = self._shell(inputs_embeds=embeds, position_ids=pos, use_cache=False)
+            extra = {"attention_mask": masks} if masks is not None else {}
+            out = self._shell(inputs_embeds=embeds, position_ids=pos, use_cache=False, **extra)
         else:
             bounds = document_kwargs(docs[0].to(embeds.device), docs[1])
             out = self._packed_shell(inputs_embeds=embeds, position_ids=pos, use_cache=False, **bounds)

@@ -128,12 +128,15 @@ def random_init_tile(tile, std: float, seed: int, index: int, norm_value: float 
     the fp32 draw rounded (the same start as fp32 masters, and as a sharded store's), through one place's
     fp32 copy at a time."""
     gen = torch.Generator().manual_seed(seed * 100_003 + index)
+    vision = tile.name.startswith("vision.")
     for place in tile.layout.places:
         target = tile.master[place.offset:place.offset + place.numel]
         view = target if target.dtype == torch.float32 else torch.empty(place.numel)
         if len(place.shape) >= 2:
             view.normal_(0.0, std, generator=gen)
-        elif "norm" in place.name:
+        elif vision and place.name.endswith("weight"):
+            view.fill_(1.0)  # a vision tower's 1-D weights are its norms' (LayerNorm, RMSNorm; the merger's ln_q)
+        elif "norm" in place.name and not place.name.endswith(".bias"):
             view.fill_(norm_value)  # 1, or 0 for Gemma's (1 + weight) norms: what HF's own init gives
         else:
             view.zero_()

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
 ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 BUNDLED_TOKENIZER_PATH = ASSETS_DIR / "tokenizer.json"
+BUNDLED_PROCESSOR_DIR = ASSETS_DIR / "vlm"  # the VLM presets' processor (models/processor.py)
 BUNDLED_VOCAB_SIZE = 1024  # an upper bound: training stops earlier when the sample has no more pairs
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
@@ -35,8 +36,13 @@ def has_tokenizer_files(directory: str | Path) -> bool:
 
 
 def load_tokenizer(model_cfg: "ModelConfig") -> "PreTrainedTokenizerFast":
-    """The recipe's tokenizer: `model.tokenizer`, else `model.path`, else the bundled one."""
+    """The recipe's tokenizer: `model.tokenizer`, else `model.path`, else the bundled one (a VLM preset's:
+    the bundled processor's)."""
+    from megatrain_cli.presets import is_vision_preset
+
     directory = model_cfg.tokenizer or model_cfg.path
+    if directory is None and is_vision_preset(model_cfg.preset):  # the bundled processor's (models/processor.py)
+        directory = BUNDLED_PROCESSOR_DIR
     if directory is None:
         return load_bundled_tokenizer()
     return load_tokenizer_dir(directory, trust_remote_code=model_cfg.trust_remote_code)

@@ -35,6 +35,9 @@ class ModelConfig:
     seed: int = doc("Seed for random init of presets.", 0)
     allow_unverified: bool = doc("Train a decoder-only model type that has no parity test here (the list: "
                                  "models/families.py), with a warning. Off: such a model is refused.", False)
+    freeze_vision: bool = doc("A vision-language model: keep its vision tower (patch embedding and layers) as it "
+                              "is; off: the tower trains with the rest (docs/vlm.md).", False)
+    freeze_projector: bool = doc("A vision-language model: keep its projector (Qwen2-VL's merger) as it is.", False)
 
 
 @dataclass
@@ -329,6 +332,10 @@ class BenchConfig:
     doc_len_spread: float = doc("Sigma of the log-normal of the synthetic lengths: 0 makes every document "
                                 "bench.doc_len_mean tokens long; 1 is the long tail of chat and instruction data.",
                                 1.0)
+    images_per_row: int = doc("A vision-language model's bench rows: synthetic images per row (bench/vision_rows.py).",
+                              1)
+    image_size: int = doc("A vision-language model's bench images: pixels a side (448: 1024 patches, 256 tokens for "
+                          "Qwen2-VL).", 448)
 
 
 @dataclass

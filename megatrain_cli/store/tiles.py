@@ -67,6 +67,7 @@ class ModelParts(Protocol):
     def layer_specs(self, index: int) -> list[ParamSpec]: ...
     def head_specs(self) -> list[ParamSpec]: ...
     def hf_name(self, tile: str, name: str) -> str: ...
+    def extra_tiles(self) -> list[tuple[str, list[ParamSpec]]]: ...  # a VLM's image side; [] for a plain LM
 
 
 def _round_up(n: int, to: int) -> int:
@@ -212,12 +213,17 @@ class LayoutQueries:
     def layer_names(self) -> list[str]:
         return [f"layers.{i}" for i in range(self.adapter.num_layers)]
 
+    @property
+    def vision_layer_names(self) -> list[str]:
+        """A vision-language model's tower layers (`vision.N`): streamed through the layer slots too."""
+        return [n for n in self.layouts if n.startswith("vision.") and n[len("vision."):].isdigit()]
+
     def num_params(self) -> int:
         """Parameters of the whole model (for a sharded store too: not just this rank's part)."""
         return sum(l.numel for l in self.layouts.values())
 
     def largest_layer_numel(self) -> int:
-        return max(self.layouts[n].numel for n in self.layer_names)
+        return max(self.layouts[n].numel for n in [*self.layer_names, *self.vision_layer_names])
 
     tier: DiskTier | None = None
 
@@ -249,7 +255,7 @@ class LayoutQueries:
 
 
 class HostStore(LayoutQueries):
-    """All tiles of one model, in streaming order: embed, layers.0 .. layers.L-1, head."""
+    """All tiles of one model: embed, layers.0 .. layers.L-1, head, then a VLM's vision.* tiles."""
 
     def __init__(self, adapter: ModelParts, compute_dtype: torch.dtype, allocate: bool = True,
                  master_dtype: torch.dtype | None = None, moments: str = "fp32", tier: DiskTier | None = None,
@@ -266,6 +272,8 @@ class HostStore(LayoutQueries):
         for i in range(adapter.num_layers):
             self.layouts[f"layers.{i}"] = TileLayout.from_specs(adapter.layer_specs(i))
         self.layouts["head"] = TileLayout.from_specs(adapter.head_specs())
+        for name, specs in adapter.extra_tiles():  # after the head: the decoder's tiles keep their init seeds
+            self.layouts[name] = TileLayout.from_specs(specs)
         self.tiles: dict[str, Tile] = {}
         if allocate:
             for name, layout in self.layouts.items():

@@ -161,7 +161,14 @@ def _supervised(r: Recipe, tokenizer, dist, lead: bool):
     t = r.train
     examples = load_examples(r.data)
     train_ex, test_ex = split_examples(examples, r.data)
-    data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
+    if any(ex.images for ex in examples):  # a VLM's chats with images: through its processor (preflight checked)
+        from megatrain_cli.data.image_rows import build_image_data
+        from megatrain_cli.models.processor import load_processor
+
+        processor = load_processor(r.model.tokenizer or r.model.path, r.model.trust_remote_code)
+        data = build_image_data(train_ex, processor, r.data, t.seq_len, t.seed)
+    else:
+        data = build_train_data(train_ex, tokenizer, r.data, t.seq_len, t.seed)
     if lead and (data.left_out or data.truncated):
         what = [left_out_report(data.left_out, len(train_ex), source_label(r.data))] if data.left_out else []
         if data.truncated:
@@ -190,6 +197,11 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
     host_kernel.prepare(r.engine.host_adamw, log=(lambda line: print(line, file=sys.stderr)) if lead else
                         (lambda _line: None))
     store = build_store(r, config, dist, plan.disk_state)
+    saved = tokenizer  # what checkpoints and the export write beside the weights: a VLM's processor files too
+    if store.adapter.vision is not None:
+        from megatrain_cli.models.processor import load_processor
+
+        saved = load_processor(r.model.tokenizer or r.model.path, r.model.trust_remote_code)
     method = pref.method if pref is not None else grpo.method if grpo is not None else None
     engine = build_engine(r, store, plan, device, dist, method=method)
     if grpo is not None:  # the sampler, and the initial weights' copy for the KL term: before a resume loads
@@ -222,7 +234,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
             save = save_checkpoint
         try:
             save(store, out, step, {"step": step, "skipped_steps": skips.skipped, "data": data.state_dict()},
-                 keep_last_n=r.checkpoint.keep_last_n, tokenizer=tokenizer, source_dir=r.model.path)
+                 keep_last_n=r.checkpoint.keep_last_n, tokenizer=saved, source_dir=r.model.path)
         except CheckpointWriteError as err:  # disk full: nothing partial left, the previous one intact
             raise TrainingError(str(err), 1) from None
 
@@ -310,7 +322,7 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
                 dash.log(line)
             if start < total:  # the run's end is resumable too (every_n_steps or not): export and resume read it
                 checkpoint(total)
-            _export_final(r, store, out, dist, tokenizer, dash, total)
+            _export_final(r, store, out, dist, saved, dash, total)
             if pref is not None and r.eval.enabled:  # the held-out pairs, every one, with the final weights
                 from megatrain_cli.train.preference import evaluate, metrics_line, write_results
 

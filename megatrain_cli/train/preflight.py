@@ -111,6 +111,7 @@ def check_data(r: Recipe) -> None:
             examples = load_examples(cfg)
     except ValueError as err:  # the data itself, not the eval: training would fail on it too
         raise TrainingError(f"data.source: {err}", 2) from None
+    check_images_fit_model(r, examples)
     if not r.eval.enabled or preference:
         return
     try:
@@ -119,6 +120,31 @@ def check_data(r: Recipe) -> None:
         raise TrainingError(f"eval.enabled: the end-of-training eval could not run: {err}. Fix the data keys "
                             f"(data.test_fraction, data.test_source, data.fields) or set eval.enabled=false", 2) \
             from None
+
+
+def check_images_fit_model(r: Recipe, examples) -> None:
+    """Data with images needs a vision-language model (its config has a vision_config)."""
+    import json
+
+    from megatrain_cli.data.sources import RecordPlace
+    from megatrain_cli.presets import is_vision_preset
+
+    first = next((ex for ex in examples if getattr(ex, "images", None)), None)
+    if first is None:
+        return
+    if r.model.path is not None:
+        config = json.loads((Path(r.model.path) / "config.json").read_text())
+        vision, kind = "vision_config" in config, config.get("model_type", "?")
+    else:
+        vision, kind = is_vision_preset(r.model.preset), r.model.preset
+    where = RecordPlace(r.data.source)(first.record)
+    if not vision:
+        raise TrainingError(f"data.source: {where} has images but the model ({kind!r}) has no vision tower; train a "
+                            f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the "
+                            f"data", 2)
+    if r.eval.every_n_steps:  # the forward-only passes do not take images yet
+        raise TrainingError(f"eval.every_n_steps: data with images ({where}) has no validation loss yet "
+                            f"(docs/vlm.md); set eval.every_n_steps=null", 2)
 
 
 def read_model_config(r: Recipe, tokenizer):

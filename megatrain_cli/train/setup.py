@@ -42,9 +42,13 @@ def model_config(r: Recipe, tokenizer=None):
         raise TrainingError(f"model: {err}", 2) from None
     if warning:
         print(warning, file=sys.stderr)
-    if tokenizer is not None and len(tokenizer) > config.vocab_size:
+    vocab = config.get_text_config().vocab_size  # a VLM's decoder's; the model's own otherwise
+    if tokenizer is not None and len(tokenizer) > vocab:
         raise TrainingError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary is "
-                            f"{config.vocab_size}: they do not belong together", 2)
+                            f"{vocab}: they do not belong together", 2)
+    if (r.model.freeze_vision or r.model.freeze_projector) and getattr(config, "vision_config", None) is None:
+        raise TrainingError(f"model.freeze_vision / model.freeze_projector: {config.model_type!r} has no vision "
+                            f"tower; remove them (they apply to vision-language models)", 2)
     return config
 
 
@@ -95,4 +99,6 @@ def build_engine(r: Recipe, store, plan: StepPlan, device: torch.device, dist=No
     settings = dataclasses.replace(r.engine, overlap_optimizer=r.engine.overlap_optimizer and device.type == "cuda")
     if dist is not None:  # a data-parallel rank holds a shard of each layer: none stays resident on its device
         plan = dataclasses.replace(plan, resident_layers=0)
-    return Engine(store, plan, settings, r.train, device=device, dist=dist, method=method)
+    vision = store.adapter.vision  # a VLM's parts that model.freeze_vision / freeze_projector keep as they are
+    frozen = vision.frozen_tiles(r.model.freeze_vision, r.model.freeze_projector) if vision else frozenset()
+    return Engine(store, plan, settings, r.train, device=device, dist=dist, method=method, frozen=frozen)

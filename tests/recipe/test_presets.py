@@ -32,20 +32,33 @@ PUBLISHED = {
                    "(the 417M vision encoder is not part of the text model)"),
     "phi4-14b": (14.7e9, "microsoft/phi-4 on the Hugging Face hub: 14.7B (the report rounds to 14B)"),
     "olmo2-7b": (7.30e9, "allenai/OLMo-2-1124-7B on the Hugging Face hub: 7.3B"),
+    "qwen2.5-vl-7b": (8.29e9, "Qwen/Qwen2.5-VL-7B-Instruct on the Hugging Face hub: 8.29B (vision tower included)"),
 }
 
 NEW_FAMILIES = {"gemma2-9b": "gemma2", "gemma3-12b": "gemma3_text", "phi4-14b": "phi3", "olmo2-7b": "olmo2"}
 
 
 def _meta_model(config):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    auto = AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else AutoModelForCausalLM
     with torch.device("meta"):  # shapes only: a 72B model costs no memory
-        return AutoModelForCausalLM.from_config(config)
+        return auto.from_config(config)
 
 
 def test_every_preset_but_ours_has_a_published_figure():
-    assert set(PRESETS) - set(PUBLISHED) == {"tiny"}
+    assert set(PRESETS) - set(PUBLISHED) == {"tiny", "qwen2-vl-tiny"}
+
+
+def test_the_tiny_vlm_presets_token_ids_are_the_bundled_processors():
+    from megatrain_cli.models.processor import load_processor
+
+    config = PRESETS["qwen2-vl-tiny"].hf_config(vocab_size=508)
+    tok = load_processor(None).tokenizer
+    ids = tok.convert_tokens_to_ids(["<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>"])
+    assert [config.image_token_id, config.video_token_id, config.vision_start_token_id,
+            config.vision_end_token_id] == ids
+    assert len(tok) == 508
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -85,7 +85,7 @@ class ModelShape:
     @classmethod
     def of(cls, model: Any) -> "ModelShape":
         """From a ModelAdapter (exact layer size from its parameter specs) or an HF config."""
-        config = getattr(model, "config", model)
+        config = getattr(model, "config", model).get_text_config()  # a VLM: its decoder's (the tower is not priced)
         h, heads = int(config.hidden_size), int(config.num_attention_heads)
         kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
         head_dim = int(getattr(config, "head_dim", None) or h // heads)

@@ -135,7 +135,7 @@ def layer_key(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtyp
     """The model's layer shapes (every distinct structure), its attention code, its head, the step's shape and
     how the engine runs it (kernels, loss chunk, a lean plan's MLP chunk and norms): a layer timing is reused
     only for the same work. Stable across processes (hashlib, not hash())."""
-    cfg = adapter.config
+    cfg = adapter.config.get_text_config()
     shapes = sorted({json.dumps([(s.name, s.shape) for s in adapter.layer_specs(i)]) for i in range(adapter.num_layers)})
     what = json.dumps([adapter.model_type, getattr(cfg, "_attn_implementation", None), adapter.layer_types, shapes,
                        getattr(cfg, "num_attention_heads", None), getattr(cfg, "num_key_value_heads", None),

@@ -1,0 +1,136 @@
+"""Chats with images (data/images.py, data/image_rows.py): both layouts read, images checked, the processor's
+ids (dynamic resolution: each image's own feature count), loss on assistant tokens only, one example per
+row, micro-batches carrying their rows' image tensors. And every bad input refused by `megatrain train`:
+the exact one-line message naming the record's line and the path, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatrain_cli.batch import IGNORE_INDEX
+from megatrain_cli.data.errors import DataError
+from megatrain_cli.data.formats import records_to_examples
+from megatrain_cli.data.image_rows import build_image_data
+from megatrain_cli.data.images import IMAGE
+from megatrain_cli.models.processor import load_processor
+from megatrain_cli.recipe import DataConfig
+from tests.helpers_bad_inputs import ROOT, megatrain, refused
+
+SAMPLE = ROOT / "megatrain_cli" / "assets" / "vlm_sample"
+RECIPE = ROOT / "recipes" / "vlm-tiny.yaml"
+
+
+def write_data(folder: Path, records: list[dict], images=("red.png", "blue.png")) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in images:
+        shutil.copyfile(SAMPLE / name, folder / name)
+    path = folder / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def chat(prompt, reply="blue", **extra):
+    return {"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}], **extra}
+
+
+def test_both_layouts_read_into_placeholders_and_resolved_paths(tmp_path):
+    path = write_data(tmp_path / "d", [
+        chat("<image>What color?", images=["red.png"]),
+        chat([{"type": "text", "text": "Compare "}, {"type": "image", "image": "red.png"},
+              {"type": "text", "text": " and "}, {"type": "image", "image": "blue.png"}])])
+    from megatrain_cli.data.sources import read_records
+
+    records, label = read_records(str(path))
+    a, b = records_to_examples(records, "auto", {}, label)
+    assert a.prompt == f"{IMAGE}What color?" and a.images == [str(tmp_path / "d" / "red.png")]
+    assert b.prompt == f"Compare {IMAGE} and {IMAGE}"
+    assert b.images == [str(tmp_path / "d" / n) for n in ("red.png", "blue.png")]
+
+
+def test_rows_hold_each_images_own_tokens_and_loss_only_on_the_reply():
+    processor = load_processor(None)
+    from megatrain_cli.data import load_examples
+
+    examples = [ex for ex in load_examples(DataConfig(source="builtin:sample_vlm")) if ex.images][:6]
+    data = build_image_data(examples, processor, DataConfig(source="builtin:sample_vlm", packing=False), 96, 0)
+    assert data.num_rows == len(examples) and not data.packing
+    mb = data.micro_batch(list(range(data.num_rows)))
+    grids = mb.images["image_grid_thw"]
+    assert len({tuple(g.tolist()) for g in grids}) > 1, "dynamic resolution: images of several sizes"
+    counts = (mb.input_ids == processor.image_token_id).sum(1)
+    assert counts.tolist() == (grids.prod(-1) // 4).tolist()  # one row, one image: its own feature count
+    assert mb.images["pixel_values"].shape[0] == int(grids.prod(-1).sum())
+    assert mb.position_ids is None
+    assert not ((mb.labels != IGNORE_INDEX) & (mb.input_ids == processor.image_token_id)).any()
+    for row, ex in zip(range(data.num_rows), examples):
+        labelled = mb.input_ids[row][mb.labels[row] != IGNORE_INDEX]
+        reply = processor.tokenizer(ex.response + "<|im_end|>", add_special_tokens=False)["input_ids"]
+        assert labelled.tolist() == reply  # the reply and its end of turn, nothing else
+
+
+def test_packing_image_rows_is_refused_with_the_fix():
+    processor = load_processor(None)
+    from megatrain_cli.data import load_examples
+
+    examples = load_examples(DataConfig(source="builtin:sample_vlm"))
+    with pytest.raises(DataError, match="set data.packing=false"):
+        build_image_data(examples, processor, DataConfig(source="builtin:sample_vlm"), 96, 0)
+
+
+def run_refused(tmp_path, records, expected, **files) -> None:
+    data = write_data(tmp_path / "data", records)
+    for name, content in files.items():
+        (tmp_path / "data" / name).write_bytes(content)
+    out = tmp_path / "run"
+    result = megatrain("train", RECIPE, f"data.source={data}", f"output_dir={out}", "train.steps=1")
+    text = refused(result, 2)
+    assert text.strip().splitlines()[-1] == f"error: {expected.format(data=data)}"
+    assert not out.exists(), "nothing written"
+
+
+def test_missing_image_is_named_with_its_line_and_where_it_was_looked_for(tmp_path):
+    look = tmp_path / "data" / "cat.png"
+    run_refused(tmp_path, [chat("<image>a", images=["red.png"]), chat("<image>b", images=["cat.png"])],
+                "data.source: {data} line 2: image 'cat.png' not found (looked for " + str(look) + "); image "
+                "paths are relative to the data file: fix the path or remove the record")
+
+
+def test_placeholder_count_must_match_the_images(tmp_path):
+    run_refused(tmp_path, [chat("<image><image>two?", images=["red.png"])],
+                "data.source: {data} line 1: 2 <image> placeholder(s) in 'messages' but 1 image(s) in 'images': "
+                "write one <image> where each image goes, in order")
+
+
+def test_a_file_that_is_not_an_image_is_refused(tmp_path):
+    run_refused(tmp_path, [chat("<image>what?", images=["notes.png"])],
+                "data.source: {data} line 1: 'notes.png' is not an image PIL can read (UnidentifiedImageError); "
+                "give a PNG, JPEG or WebP file or remove the record", **{"notes.png": b"just some text\n"})
+
+
+def test_a_text_only_model_given_images_is_refused(tmp_path):
+    data = write_data(tmp_path / "data", [chat("<image>what?", images=["red.png"])])
+    out = tmp_path / "run"
+    result = megatrain("train", RECIPE, "model.preset=tiny", "~model.freeze_vision", "~model.freeze_projector",
+                       f"data.source={data}", f"output_dir={out}", "train.steps=1")
+    text = refused(result, 2)
+    assert text.strip().splitlines()[-1] == (
+        f"error: data.source: {data} line 1 has images but the model ('tiny') has no vision tower; train a "
+        f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the data")
+    assert not out.exists()
+
+
+def test_a_validation_loss_on_images_is_refused_with_the_fix(tmp_path):
+    data = write_data(tmp_path / "data", [chat("<image>what?", images=["red.png"])])
+    out = tmp_path / "run"
+    result = megatrain("train", RECIPE, f"data.source={data}", f"output_dir={out}", "train.steps=1",
+                       "eval.every_n_steps=2")
+    text = refused(result, 2)
+    assert text.strip().splitlines()[-1] == (
+        f"error: eval.every_n_steps: data with images ({data} line 1) has no validation loss yet (docs/vlm.md); "
+        f"set eval.every_n_steps=null")
+    assert not out.exists()
