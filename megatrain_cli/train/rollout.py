@@ -46,6 +46,8 @@ class TrainerLayerFeed:
 
     def __init__(self, engine, device: torch.device):
         self.resident = engine.resident
+        if not self.resident.loaded:  # a run's (or a resume's) first rollout, before any step loaded them: else
+            self.resident.load()  # every layer streams from its master at every token (7B: 156 s, not 7)
         self.inner = layer_feed(engine.store, device, engine.dtype, pin_all=False)
         self.store = engine.store
         self.layouts = [engine.store.layouts[n] for n in engine.store.layer_names]
