@@ -40,3 +40,15 @@ def pytest_sessionstart(session):
         print(f"tests: removing the stale compile lock {lock} ({host_kernel.lock_age(lock) / 60:.0f} min old)",
               file=sys.stderr)
         lock.unlink(missing_ok=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test skipped for want of a GPU must carry the `cuda` mark: the device runs `pytest -m cuda`, so an
+    unmarked one runs nowhere (two did, session 13). Checked at collection, every run, on the CPU too."""
+    import pytest
+
+    unmarked = [item.nodeid for item in items if item.get_closest_marker("cuda") is None and any(
+        "NVIDIA GPU" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif"))]
+    if unmarked:
+        raise pytest.UsageError("tests that need a GPU but lack @pytest.mark.cuda (the device's `pytest -m cuda` "
+                                "would never run them): " + ", ".join(unmarked[:5]))

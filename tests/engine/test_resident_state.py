@@ -44,6 +44,7 @@ def test_resident_equals_streamed_bit_for_bit(moments):
     assert streamed.tiles["layers.0"].exp_avg.dtype == {"bf16": torch.bfloat16, "int8": torch.float8_e4m3fn}[moments]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("master", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("moments", ["bf16", "int8"])

@@ -202,6 +202,7 @@ def test_stochastic_rounding_needs_bf16_masters():
         load_recipe(root / "recipes" / "tiny.yaml", ["train.master_rounding=stochastic"])
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
 def test_cuda_rounding_equals_the_host_kernel(moments):
