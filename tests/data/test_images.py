@@ -134,3 +134,19 @@ def test_a_validation_loss_on_images_is_refused_with_the_fix(tmp_path):
         f"error: eval.every_n_steps: data with images ({data} line 1) has no validation loss yet (docs/vlm.md); "
         f"set eval.every_n_steps=null")
     assert not out.exists()
+
+
+def test_an_image_processor_without_dynamic_resolution_is_refused_with_the_fix():
+    """A LLaVA or Gemma 3 folder's processor (fixed-size images, no merge_size): the data path covers Qwen2-VL's
+    processors only, and the refusal says which models train from image data and where the rest stand."""
+    from megatrain_cli.models.processor import ImageTextProcessor
+
+    class CLIPImageProcessor:  # what a LLaVA folder's AutoImageProcessor gives: no merge_size
+        pass
+
+    with pytest.raises(ValueError) as err:
+        ImageTextProcessor(load_processor(None).tokenizer, CLIPImageProcessor())
+    assert str(err.value) == (
+        "CLIPImageProcessor: image data trains only models with a dynamic-resolution image processor (Qwen2-VL's "
+        "or Qwen2.5-VL's, with a merge_size); LLaVA and Gemma 3 train through the engine API only so far "
+        "(docs/vlm.md): train or evaluate a Qwen2-VL or Qwen2.5-VL model on images")
