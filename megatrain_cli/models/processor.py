@@ -36,8 +36,10 @@ class ImageTextProcessor:
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.merge = int(getattr(image_processor, "merge_size", 0) or 0)
         if not self.merge:
-            raise ValueError(f"{type(image_processor).__name__}: only dynamic-resolution image processors "
-                             f"(Qwen2-VL's, with a merge_size) are supported here")
+            raise ValueError(f"{type(image_processor).__name__}: image data trains only models with a "
+                             f"dynamic-resolution image processor (Qwen2-VL's or Qwen2.5-VL's, with a merge_size); "
+                             f"LLaVA and Gemma 3 train through the engine API only so far (docs/vlm.md): train or "
+                             f"evaluate a Qwen2-VL or Qwen2.5-VL model on images")
         self.image_token = next((t for t in ("<|image_pad|>", "<image>") if t in tokenizer.get_vocab()), None)
         if self.image_token is None:
             raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has no image token (<|image_pad|>)")

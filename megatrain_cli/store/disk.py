@@ -179,12 +179,11 @@ class DiskTier:
             total += sum(b & 1 for b in vec) * page
         return total
 
-    def zero(self, name: str) -> None:
-        """Zero tile `name`'s state on disk: a file never written is zeros already (nothing is paged in)."""
+    def fresh(self, name: str) -> bool:
+        """Tile `name`'s file was never written back (no update, no settle): its moments read as zeros still (a
+        store's build writes only the masters), so zeroing them need page nothing in."""
         f = self._files.get(name)
-        if f is not None and f.touched:
-            f.view.zero_()
-            self.settle(name)
+        return f is not None and not f.touched
 
     def close(self) -> None:
         with self._cv:

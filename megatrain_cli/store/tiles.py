@@ -228,13 +228,15 @@ class LayoutQueries:
     tier: DiskTier | None = None
 
     def zero_state(self) -> None:
+        """Moments, gradients and step counts zero; the masters (on disk too, beside the moments) kept."""
         on_disk = self.tier.sections if self.tier is not None else ()
         for t in self.tiles.values():
+            fresh = self.tier is not None and self.tier.fresh(t.name)  # its file's moments: zeros already
             for name in ("exp_avg", "exp_avg_sq", "exp_avg_exp", "exp_avg_sq_exp", "grad"):
-                if name not in on_disk:
+                if name not in on_disk or not fresh:
                     getattr(t, name).zero_()
-            if self.tier is not None:
-                self.tier.zero(t.name)  # a fresh file: zeros already, nothing paged in
+            if on_disk and not fresh:
+                self.settle(t.name)
             t.step = 0
 
     def settle(self, name: str) -> None:

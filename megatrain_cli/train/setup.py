@@ -63,14 +63,21 @@ def build_store(r: Recipe, config, dist=None, disk_state: str | None = None):
     dtype, master = DTYPES[r.model.dtype], MASTER_DTYPES[r.train.master_weights]
     try:
         tier = DiskTier(r.store.disk, disk_state, r.store.disk_in_flight) if disk_state else None
+    except TierError as err:
+        raise TrainingError(str(err), 2) from None
+    try:
         if dist is None:
             return build_whole(config, dtype, weights_path=r.model.path, seed=r.model.seed, master_dtype=master,
                                moments=r.train.optimizer_state, tier=tier)
         return build_sharded_store(config, dtype, dist.rank, dist.world, weights_path=r.model.path,
                                    seed=r.model.seed, cpu_group=dist.cpu_group, master_dtype=master,
                                    moments=r.train.optimizer_state, tier=tier)
-    except TierError as err:
-        raise TrainingError(str(err), 2) from None
+    except BaseException as err:  # a full disk, a bad weights file: no tier folder or threads left behind
+        if tier is not None:
+            tier.close()
+        if isinstance(err, TierError):
+            raise TrainingError(str(err), 2) from None
+        raise
 
 
 def lean_allocator(device: torch.device) -> str:

@@ -134,3 +134,34 @@ def test_a_validation_loss_on_images_is_refused_with_the_fix(tmp_path):
         f"error: eval.every_n_steps: data with images ({data} line 1) has no validation loss yet (docs/vlm.md); "
         f"set eval.every_n_steps=null")
     assert not out.exists()
+
+
+def test_an_image_processor_without_dynamic_resolution_is_refused_with_the_fix():
+    """A LLaVA or Gemma 3 folder's processor (fixed-size images, no merge_size): the data path covers Qwen2-VL's
+    processors only, and the refusal says which models train from image data and where the rest stand."""
+    from megatrain_cli.models.processor import ImageTextProcessor
+
+    class CLIPImageProcessor:  # what a LLaVA folder's AutoImageProcessor gives: no merge_size
+        pass
+
+    with pytest.raises(ValueError) as err:
+        ImageTextProcessor(load_processor(None).tokenizer, CLIPImageProcessor())
+    assert str(err.value) == (
+        "CLIPImageProcessor: image data trains only models with a dynamic-resolution image processor (Qwen2-VL's "
+        "or Qwen2.5-VL's, with a merge_size); LLaVA and Gemma 3 train through the engine API only so far "
+        "(docs/vlm.md): train or evaluate a Qwen2-VL or Qwen2.5-VL model on images")
+
+
+def test_images_past_the_preflights_sample_are_refused_for_a_text_only_model(tmp_path):
+    """The preflight reads the first 64 records when eval is off; an image in record 66 is still refused before
+    anything is written, with its line (the run read the bundled VLM processor and failed in its first step)."""
+    records = [chat(f"question {i}?") for i in range(65)] + [chat("<image>what?", images=["red.png"])]
+    data = write_data(tmp_path / "data", records)
+    out = tmp_path / "run"
+    result = megatrain("train", RECIPE, "model.preset=tiny", "~model.freeze_vision", "~model.freeze_projector",
+                       f"data.source={data}", f"output_dir={out}", "train.steps=1")
+    text = refused(result, 2)
+    assert text.strip().splitlines()[-1] == (
+        f"error: data.source: {data} line 66 has images but the model ('tiny') has no vision tower; train a "
+        f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the data")
+    assert not out.exists()

@@ -116,3 +116,25 @@ def test_a_full_disk_is_said_when_the_store_is_built(tmp_path, monkeypatch):
                                              r"state store\.disk_state=moments puts there \(No space left on device\); "
                                              r"free space there or point store\.disk at a larger disk"):
         build_store(tiny_config("LlamaForCausalLM", layers=2), torch.float32, tier=DiskTier(tmp_path, "moments"))
+
+
+def test_zeroing_the_state_keeps_masters_that_live_beside_the_moments_on_disk(tmp_path):
+    """store.disk_state=moments+masters: a tile's file holds its masters too. zero_state zeroes the moments (and
+    the gradient) only, whether the file was written back already (a step, a checkpoint's load) or is still
+    fresh (only its masters written, as a store's build writes them)."""
+    config = tiny_config("LlamaForCausalLM", layers=2)
+    store = build_store(config, torch.float32, seed=3, tier=DiskTier(tmp_path, "moments+masters"))
+    masters = {n: t.master.clone() for n, t in store.tiles.items()}
+    for name in ("embed", "layers.0"):
+        t = store.tiles[name]
+        t.exp_avg.fill_(0.5)
+        t.exp_avg_sq.fill_(0.25)
+        t.grad.fill_(1.0)
+        t.step = 4
+        store.settle(name)  # written back to its file, out of memory: no longer a fresh file
+    store.zero_state()
+    for name, t in store.tiles.items():
+        assert torch.equal(t.master, masters[name]), name
+        assert not t.exp_avg.any() and not t.exp_avg_sq.any() and not t.grad.any(), name
+        assert t.step == 0
+    store.close()

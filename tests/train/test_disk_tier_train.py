@@ -187,3 +187,29 @@ def test_the_big_recipes_fit_their_hosts(tmp_path, monkeypatch, capsys, name, ho
         table = text.split("disk tier (store.disk:")[1].split("device, peak")[0]
         total = float(next(ln for ln in table.splitlines() if "total" in ln).split()[1])
         assert total == pytest.approx(disk_gib, abs=1)
+
+
+def test_a_store_that_cannot_be_built_leaves_no_tier_behind(tmp_path, monkeypatch):
+    """The disk filling between the preflight and the store's files (posix_fallocate refused): exit 2 with the
+    message, and neither the tier's folder in store.disk nor its reader and writer threads are left."""
+    import threading
+
+    from megatrain_cli.models.tokenizer import load_tokenizer
+    from megatrain_cli.store import disk
+    from megatrain_cli.train.errors import TrainingError
+    from megatrain_cli.train.setup import build_store, model_config
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    tier = tmp_path / "nvme"
+    tier.mkdir()
+    r = recipe(tmp_path / "out", f"store.disk={tier}", "store.disk_state=moments")
+    config = model_config(r, load_tokenizer(r.model))
+    before = set(threading.enumerate())
+    monkeypatch.setattr(disk.os, "posix_fallocate", full)
+    with pytest.raises(TrainingError, match=r"store\.disk: .* too little for the optimizer state") as err:
+        build_store(r, config, None, "moments")
+    assert err.value.code == 2
+    assert list(tier.iterdir()) == []  # the tier's folder went with the failure
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("megatrain-tier")]
