@@ -92,6 +92,8 @@ def check_image(path: str, where: str, base: Path) -> str:
     try:
         with Image.open(full) as im:
             im.verify()
+    except Image.DecompressionBombError as err:  # PIL's guard against huge images, before decoding them
+        raise DataError(f"{where}: {path!r} is too large to decode ({err}); resize it or remove the record") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
         raise DataError(f"{where}: {path!r} is not an image PIL can read ({type(err).__name__}); give a PNG, JPEG "
                         f"or WebP file or remove the record") from None

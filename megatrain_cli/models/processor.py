@@ -59,7 +59,14 @@ class ImageTextProcessor:
         """The image processor's tensors for these files, in order (pixel_values, image_grid_thw)."""
         from PIL import Image
 
-        opened = [Image.open(p).convert("RGB") for p in paths]
+        opened = []
+        for p in paths:  # the data checks read each header (data/images.py); a truncated body fails here
+            try:
+                opened.append(Image.open(p).convert("RGB"))
+            except OSError as err:
+                from megatrain_cli.data.errors import DataError
+
+                raise DataError(f"image {p}: {err}; replace the file or remove its record") from None
         out = self.image_processor(images=opened, return_tensors="pt")
         return {k: out[k] for k in ("pixel_values", "image_grid_thw")}
 

@@ -165,3 +165,28 @@ def test_images_past_the_preflights_sample_are_refused_for_a_text_only_model(tmp
         f"error: data.source: {data} line 66 has images but the model ('tiny') has no vision tower; train a "
         f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the data")
     assert not out.exists()
+
+
+def test_an_image_too_large_to_decode_is_refused(monkeypatch):
+    """PIL's decompression-bomb guard (an image of more than twice Image.MAX_IMAGE_PIXELS) is a DataError naming
+    the record (exit 2 through train), not a traceback: the limit is lowered so a bundled PNG trips it."""
+    from PIL import Image
+
+    from megatrain_cli.data.images import check_image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    with pytest.raises(DataError, match=r"^line 1: 'red.png' is too large to decode \(Image size \(\d+ pixels\) "
+                                        r"exceeds limit of 200 pixels.*\); resize it or remove the record$"):
+        check_image("red.png", "line 1", SAMPLE)
+
+
+def test_a_truncated_image_body_is_named_with_its_path(tmp_path):
+    """A JPEG whose header reads but whose body was cut: the processor's decode names the file, as a DataError
+    (exit 2 through train), not an OSError traceback."""
+    from PIL import Image
+
+    path = tmp_path / "cut.jpg"
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(path, quality=90)
+    path.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(DataError, match=rf"image {path}: .*; replace the file or remove its record"):
+        load_processor(None, False).images([str(path)])
