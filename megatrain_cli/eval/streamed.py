@@ -108,6 +108,9 @@ class StreamedModel:
             by_structure.setdefault(self.adapter.layer_structure(i), self.adapter.make_layer_template(i).eval())
         self.templates = [by_structure[self.adapter.layer_structure(i)] for i in range(self.num_layers)]
         self.windows = [sliding_window(self.adapter, i) for i in range(self.num_layers)]
+        # HF's eager attention (Gemma 2's softcapped one) adds its mask to the scores and applies none when given
+        # none: it takes an additive mask, always built (SDPA takes the boolean one, or none where causal)
+        self.eager = getattr(self.adapter.config, "_attn_implementation", None) == "eager"
         # transformers 5.24 names the layer's cache argument `cache`, 5.17 `past_key_values`.
         params = inspect.signature(type(self.templates[0]).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -159,6 +162,9 @@ class StreamedModel:
             hidden = self._layers(hidden, positions, key_mask[:, :q_start + q_len], q_start, padded, caches,
                                   prefetch_next_step=step + 1 < max_new_tokens)
             logits = F.linear(run_bound(self.norm_template, self.norm_weights, hidden[:, -1:]), self.lm_weight)
+            if self.adapter.logit_softcap is not None:  # Gemma 2/3: what training's head computes (engine/loss.py)
+                cap = self.adapter.logit_softcap
+                logits = torch.tanh(logits.float() / cap) * cap
             next_ids = pick(logits[:, -1])
             next_ids = torch.where(unfinished, next_ids, torch.full_like(next_ids, pad_id))
             sequences = torch.cat([sequences, next_ids[:, None]], dim=1)
@@ -181,7 +187,10 @@ class StreamedModel:
 
     def _layers(self, hidden, positions, key_mask, q_start, padded, caches, *, prefetch_next_step: bool):
         q_len = hidden.shape[1]
-        masks = {w: attention_mask(key_mask, q_start, q_len, w, padded) for w in set(self.windows)}
+        masks = {w: attention_mask(key_mask, q_start, q_len, w, padded or self.eager) for w in set(self.windows)}
+        if self.eager:
+            masks = {w: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(
+                ~m, torch.finfo(self.dtype).min) for w, m in masks.items()}
         if self.rotary_per_type:
             rotary = {t: self.rotary(hidden, positions, t) for t in set(self.adapter.layer_types)}
         else:

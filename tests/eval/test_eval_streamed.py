@@ -40,7 +40,8 @@ def both_ways(resident, streamed, prompts, eos: int, **kw):
 
 # ---------------------------------------------------------------- token for token against HF generate
 @pytest.mark.parametrize("arch,tied", [("Qwen2ForCausalLM", False), ("Qwen2ForCausalLM", True),
-                                       ("LlamaForCausalLM", False), ("LlamaForCausalLM", True)])
+                                       ("LlamaForCausalLM", False), ("LlamaForCausalLM", True),
+                                       ("gemma2", True)])  # HF's eager attention: an additive mask
 def test_streamed_greedy_equals_hf_generate(arch, tied):
     config, store = tiny_store(arch, tied)
     hf = reference_model(store, config).eval()  # an independent HF model holding the store's weights
@@ -52,11 +53,29 @@ def test_streamed_greedy_equals_hf_generate(arch, tied):
     assert len({tuple(row) for row in ours.tolist()}) == len(prompts)  # outputs depend on the prompt
 
     # An eos that one row produces midway: that row is cut and padded, the others go on, as in HF.
-    row, at = 0, 3
+    midway = [(r, a) for r in range(len(prompts)) for a in range(1, NEW_TOKENS - 1)
+              if int(theirs[r, a]) not in theirs[r, :a].tolist()]  # a token new to its row (tiny Gemma 2 repeats one)
+    row, at = midway[0] if midway else (0, 0)
     eos = int(theirs[row, at])
     theirs, ours = both_ways(hf, streamed, prompts, eos=eos)
     assert torch.equal(ours, theirs)
     assert ours[row, at] == eos and (ours[row, at + 1:] == 0).all()
+
+
+def test_sampled_tokens_are_drawn_from_the_capped_logits_hf_computes():
+    """Gemma 2's final logit softcap (cap * tanh(logits / cap)) is in what a sampler sees, as in HF's forward and
+    in training's head: greedy picks do not show it (tanh keeps the order), GRPO's sampled rollouts would."""
+    config, store = tiny_store("gemma2", True)
+    hf = reference_model(store, config).eval()
+    ids, mask = left_pad(random_prompts(config.vocab_size, (6, 6, 6)), pad_id=0)
+    seen = []
+    with torch.inference_mode():
+        StreamedModel(store, torch.device("cpu")).decode_batch(
+            ids, mask, max_new_tokens=1, eos_ids=[config.vocab_size - 1], pad_id=0, stop_criteria=[],
+            pick=lambda logits: seen.append(logits.clone()) or logits.argmax(-1))
+        want = hf(input_ids=ids, attention_mask=mask).logits[:, -1].float()
+    assert want.abs().max() < config.final_logit_softcapping  # the cap is what bounds them
+    torch.testing.assert_close(seen[0], want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("lengths", [PROMPT_LENGTHS, (5, 5, 5)])  # with and without padding
