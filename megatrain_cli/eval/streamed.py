@@ -110,7 +110,7 @@ class StreamedModel:
         self.windows = [sliding_window(self.adapter, i) for i in range(self.num_layers)]
         # HF's eager attention (Gemma 2's softcapped one) adds its mask to the scores and applies none when given
         # none: it takes an additive mask, always built (SDPA takes the boolean one, or none where causal)
-        self.eager = getattr(self.adapter.config, "_attn_implementation", None) == "eager"
+        self.additive_mask = getattr(self.adapter.config, "_attn_implementation", None) == "eager"
         # transformers 5.24 names the layer's cache argument `cache`, 5.17 `past_key_values`.
         params = inspect.signature(type(self.templates[0]).forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
@@ -187,8 +187,8 @@ class StreamedModel:
 
     def _layers(self, hidden, positions, key_mask, q_start, padded, caches, *, prefetch_next_step: bool):
         q_len = hidden.shape[1]
-        masks = {w: attention_mask(key_mask, q_start, q_len, w, padded or self.eager) for w in set(self.windows)}
-        if self.eager:
+        masks = {w: attention_mask(key_mask, q_start, q_len, w, padded or self.additive_mask) for w in set(self.windows)}
+        if self.additive_mask:
             masks = {w: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(
                 ~m, torch.finfo(self.dtype).min) for w, m in masks.items()}
         if self.rotary_per_type:
