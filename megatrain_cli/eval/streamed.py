@@ -187,7 +187,8 @@ class StreamedModel:
 
     def _layers(self, hidden, positions, key_mask, q_start, padded, caches, *, prefetch_next_step: bool):
         q_len = hidden.shape[1]
-        masks = {w: attention_mask(key_mask, q_start, q_len, w, padded or self.additive_mask) for w in set(self.windows)}
+        full = padded or self.additive_mask
+        masks = {w: attention_mask(key_mask, q_start, q_len, w, full) for w in set(self.windows)}
         if self.additive_mask:
             masks = {w: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(
                 ~m, torch.finfo(self.dtype).min) for w, m in masks.items()}
