@@ -112,15 +112,19 @@ def test_a_file_that_is_not_an_image_is_refused(tmp_path):
                 "give a PNG, JPEG or WebP file or remove the record", **{"notes.png": b"just some text\n"})
 
 
-def test_a_text_only_model_given_images_is_refused(tmp_path):
-    data = write_data(tmp_path / "data", [chat("<image>what?", images=["red.png"])])
+@pytest.mark.parametrize("before", [0, 65])  # 65: past the preflight's 64-record sample (eval off)
+def test_a_text_only_model_given_images_is_refused(tmp_path, before):
+    """Refused before anything is written, with the image's line, also where the preflight's sample does not
+    reach it (the run used to read the bundled VLM processor's rows and train)."""
+    records = [chat(f"question {i}?") for i in range(before)] + [chat("<image>what?", images=["red.png"])]
+    data = write_data(tmp_path / "data", records)
     out = tmp_path / "run"
     result = megatrain("train", RECIPE, "model.preset=tiny", "~model.freeze_vision", "~model.freeze_projector",
                        f"data.source={data}", f"output_dir={out}", "train.steps=1")
     text = refused(result, 2)
     assert text.strip().splitlines()[-1] == (
-        f"error: data.source: {data} line 1 has images but the model ('tiny') has no vision tower; train a "
-        f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the data")
+        f"error: data.source: {data} line {before + 1} has images but the model ('tiny') has no vision tower; "
+        f"train a vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the data")
     assert not out.exists()
 
 
@@ -150,21 +154,6 @@ def test_an_image_processor_without_dynamic_resolution_is_refused_with_the_fix()
         "CLIPImageProcessor: image data trains only models with a dynamic-resolution image processor (Qwen2-VL's "
         "or Qwen2.5-VL's, with a merge_size); LLaVA and Gemma 3 train through the engine API only so far "
         "(docs/vlm.md): train or evaluate a Qwen2-VL or Qwen2.5-VL model on images")
-
-
-def test_images_past_the_preflights_sample_are_refused_for_a_text_only_model(tmp_path):
-    """The preflight reads the first 64 records when eval is off; an image in record 66 is still refused before
-    anything is written, with its line (the run read the bundled VLM processor and failed in its first step)."""
-    records = [chat(f"question {i}?") for i in range(65)] + [chat("<image>what?", images=["red.png"])]
-    data = write_data(tmp_path / "data", records)
-    out = tmp_path / "run"
-    result = megatrain("train", RECIPE, "model.preset=tiny", "~model.freeze_vision", "~model.freeze_projector",
-                       f"data.source={data}", f"output_dir={out}", "train.steps=1")
-    text = refused(result, 2)
-    assert text.strip().splitlines()[-1] == (
-        f"error: data.source: {data} line 66 has images but the model ('tiny') has no vision tower; train a "
-        f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the data")
-    assert not out.exists()
 
 
 def test_an_image_too_large_to_decode_is_refused(monkeypatch):
