@@ -51,7 +51,8 @@ READ_CHUNK = 64 << 20  # bytes per pread where MADV_POPULATE_WRITE is missing
 
 
 class TierError(RuntimeError):
-    """The disk tier cannot be set up where store.disk points (its message names the folder and the fix)."""
+    """The disk tier cannot be set up where store.disk points, or its I/O failed (the message names the folder
+    and the fix)."""
 
 
 class _File:
@@ -214,8 +215,11 @@ class DiskTier:
 
     def _wait(self, event: threading.Event) -> None:
         event.wait()
-        if self._error is not None:
-            raise RuntimeError("the disk tier failed") from self._error
+        if self._error is not None:  # a read or write-behind failed on the tier's threads (EIO, a pulled disk)
+            e = self._error
+            raise TierError(f"store.disk: the disk tier's I/O in {self.folder} failed ({type(e).__name__}: {e}); "
+                            f"check that disk, then resume from the last checkpoint (the tier's files are scratch: "
+                            f"checkpoints do not need them)") from e
 
     def _loop(self, queue: list[str], work) -> None:
         while True:

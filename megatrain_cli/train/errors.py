@@ -24,6 +24,18 @@ class TrainingError(RuntimeError):
         self.code = code
 
 
+def tier_failure(err: BaseException) -> str | None:
+    """The disk tier's own message where its I/O failure is what ended the step (it reaches the training thread
+    wrapped by the host AdamW worker), else None."""
+    from megatrain_cli.store.disk import TierError
+
+    while err is not None:
+        if isinstance(err, TierError):
+            return str(err)
+        err = err.__cause__
+    return None
+
+
 def out_of_memory_message(err: BaseException) -> str:
     """CUDA OOM: where it happened (the engine's note) and what to change for that phase."""
     phase = next((n.removeprefix("megatrain phase: ") for n in getattr(err, "__notes__", [])

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from megatrain_cli.recipe import Recipe, render_yaml
-from megatrain_cli.train.errors import TrainingError, out_of_memory_message
+from megatrain_cli.train.errors import TrainingError, out_of_memory_message, tier_failure
 from megatrain_cli.train.predicted import against, describe, disk_lines, method_lines, prediction
 from megatrain_cli.train.setup import DTYPES, build_engine, build_store, lean_allocator, resolve_device
 
@@ -34,6 +34,11 @@ def run_training(r: Recipe, *, dry_run: bool = False, force: bool = False, dist=
     except ValueError as err:  # bad data, missing model path, unsupported architecture, bad checkpoint
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RuntimeError as err:
+        if (tier := tier_failure(err)) is None:
+            raise
+        print(f"error: {tier}", file=sys.stderr)
+        return 1
 
 
 def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:

@@ -213,3 +213,29 @@ def test_a_store_that_cannot_be_built_leaves_no_tier_behind(tmp_path, monkeypatc
     assert err.value.code == 2
     assert list(tier.iterdir()) == []  # the tier's folder went with the failure
     assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("megatrain-tier")]
+
+
+def test_an_io_error_of_the_tier_mid_run_ends_with_its_message(tmp_path, monkeypatch, capsys):
+    """A write-behind failing on the tier's thread (EIO, a pulled disk): the run ends with exit 1 and one line
+    naming the folder and what to do, not a traceback through the host AdamW worker; the tier's folder and
+    threads are gone and the last checkpoint stays as it was published."""
+    import threading
+
+    from megatrain_cli.store import disk
+
+    def failing(f):
+        raise OSError(5, "Input/output error")
+
+    tier = tmp_path / "nvme"
+    tier.mkdir()
+    out = tmp_path / "out"
+    before = set(threading.enumerate())
+    monkeypatch.setattr(disk.DiskTier, "_flush_and_drop", staticmethod(failing))
+    code = run_training(recipe(out, "train.steps=3", f"store.disk={tier}", "store.disk_state=moments"))
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 1
+    assert last.startswith(f"error: store.disk: the disk tier's I/O in {tier}/megatrain-tier-")
+    assert last.endswith("failed (OSError: [Errno 5] Input/output error); check that disk, then resume from the "
+                         "last checkpoint (the tier's files are scratch: checkpoints do not need them)")
+    assert list(tier.iterdir()) == []
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("megatrain-tier")]
