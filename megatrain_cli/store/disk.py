@@ -274,6 +274,8 @@ def measure(path: str | Path, nbytes: int = 128 << 20) -> tuple[float, float]:
 
     block = os.urandom(1 << 20) * 8  # 8 MiB of incompressible bytes, written over and over
     fd, name = tempfile.mkstemp(prefix=".megatrain-disk-probe-", dir=path)
+    os.unlink(name)  # now: a run killed mid-probe leaves no file (the open descriptor keeps its blocks until closed)
+    nbytes = max(len(block), nbytes - nbytes % len(block))  # whole blocks: the write, the read and the rate agree
     try:
         t0 = time.perf_counter()
         for off in range(0, nbytes, len(block)):
@@ -287,5 +289,4 @@ def measure(path: str | Path, nbytes: int = 128 << 20) -> tuple[float, float]:
         read = nbytes / (time.perf_counter() - t0)
     finally:
         os.close(fd)
-        os.unlink(name)
     return write, read

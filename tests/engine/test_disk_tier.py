@@ -138,3 +138,18 @@ def test_zeroing_the_state_keeps_masters_that_live_beside_the_moments_on_disk(tm
         assert not t.exp_avg.any() and not t.exp_avg_sq.any() and not t.grad.any(), name
         assert t.step == 0
     store.close()
+
+
+def test_the_folder_probe_leaves_no_file_even_while_it_runs(tmp_path, monkeypatch):
+    """The probe's file is unlinked as soon as it is made, so a run killed mid-probe leaves nothing in store.disk;
+    the rates count whole 8 MiB blocks, the bytes the probe really wrote and read."""
+    from megatrain_cli.store import disk
+
+    seen, written = [], []
+    pwrite = disk.os.pwrite
+    monkeypatch.setattr(disk.os, "pwrite", lambda fd, data, off: seen.append(list(tmp_path.iterdir())) or
+                        written.append(len(data)) or pwrite(fd, data, off))
+    write, read = disk.measure(tmp_path, nbytes=(20 << 20) + 123)
+    assert write > 0 and read > 0
+    assert seen == [[], []] and sum(written) == 16 << 20  # two whole blocks, no file visible while writing
+    assert list(tmp_path.iterdir()) == []
