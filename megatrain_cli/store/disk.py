@@ -216,8 +216,8 @@ class DiskTier:
     def _wait(self, event: threading.Event) -> None:
         event.wait()
         if self._error is not None:  # a read or write-behind failed on the tier's threads (EIO, a pulled disk)
-            e = self._error
-            raise TierError(f"store.disk: the disk tier's I/O in {self.folder} failed ({type(e).__name__}: {e}); "
+            e, where = self._error, self.folder.parent  # the user's store.disk (the tier's own folder is gone)
+            raise TierError(f"store.disk: the disk tier's I/O in {where} failed ({type(e).__name__}: {e}); "
                             f"check that disk, then resume from the last checkpoint (the tier's files are scratch: "
                             f"checkpoints do not need them)") from e
 
