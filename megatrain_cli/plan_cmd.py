@@ -88,10 +88,9 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
     print(host_state_line(adapter, shape["dtype"], MASTER_DTYPES[r.train.master_weights], r.train.optimizer_state,
                           disk_state))
     if disk_state is not None:  # the tier's I/O against a probe of store.disk, beside the chosen plan's step
-        from megatrain_cli.engine.plan.disk_tier import report
+        from megatrain_cli.train.predicted import disk_lines
 
-        best = preds[0] if preds else None
-        for line in report(as_written.memory, disk_state, r.store.disk, best.total if best else None)[0]:
+        for line in disk_lines(r, as_written, preds[0] if preds else None):
             print(line)
     if r.train.method != "sft" and as_written is not None:  # the method, its pair layout, its reference pass
         from megatrain_cli.train.predicted import method_lines

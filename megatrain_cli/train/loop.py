@@ -168,11 +168,10 @@ def _supervised(r: Recipe, tokenizer, dist, lead: bool):
     train_ex, test_ex = split_examples(examples, r.data)
     if any(ex.images for ex in examples):  # a VLM's chats with images: through its processor
         from megatrain_cli.data.image_rows import build_image_data
+        from megatrain_cli.models.processor import load_processor
         from megatrain_cli.train.preflight import check_images_fit_model
 
         check_images_fit_model(r, examples)  # the preflight saw only a sample when eval is off: all of it here
-        from megatrain_cli.models.processor import load_processor
-
         processor = load_processor(r.model.tokenizer or r.model.path, r.model.trust_remote_code)
         data = build_image_data(train_ex, processor, r.data, t.seq_len, t.seed)
     else:
