@@ -92,7 +92,7 @@ def measure(planned, store, engine, run, *, log=print) -> list[BenchResult]:
         sync()
         took = time.perf_counter() - t0
         log(f"[bench] grpo step {s}{' (warm-up)' if s < warmup else ''}: generate {rollouts.seconds:.2f} s "
-            f"({rollouts.new_tokens} tokens), score {scored:.3f} s, train {took:.2f} s, grad norm {res.grad_norm:.3f}")
+            f"({rollouts.new_tokens} tokens, decoded {rollouts.decode_path}), score {scored:.3f} s, train {took:.2f} s, grad norm {res.grad_norm:.3f}")
         if s >= warmup:
             times.append((rollouts.seconds, scored, took))
             generated += rollouts.new_tokens
@@ -108,7 +108,8 @@ def measure(planned, store, engine, run, *, log=print) -> list[BenchResult]:
     common = dict(model=planned.label, steps=steps, peak_device_bytes=peak, host_rss_bytes=host_rss_bytes(),
                   host_peak_rss_bytes=peak_rss_bytes(), bytes_per_param=store.host_bytes() / store.num_params(),
                   split=split)
-    resident = f"{engine.plan.resident_layers} of {store.adapter.num_layers} layers resident (read in place)"
+    resident = (f"{engine.plan.resident_layers} of {store.adapter.num_layers} layers resident (read in place), "
+                f"decoded {rollouts.decode_path}")
     step = gen_s + score_s + train_s
     note = (f"GRPO step {step:.2f} s = generate {gen_s:.2f} + score {score_s:.3f} + train {train_s:.2f}; {prompts} "
             f"prompts x {g.num_generations} completions of {g.max_new_tokens} new tokens after {prompt_len} prompt "

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from megatrain_cli.engine.templates import run_bound
 from megatrain_cli.eval.generate import greedy, stopping_rules
 from megatrain_cli.eval.layer_feed import layer_feed
+from megatrain_cli.eval.static_decode import StaticDecoder, why_not_graph
 from megatrain_cli.store.tiles import HostStore
 
 
@@ -95,9 +96,12 @@ def sliding_window(adapter, layer: int) -> int | None:
 class StreamedModel:
     """A HostStore's model, run for greedy generation with one decoder layer on the device at a time."""
 
-    def __init__(self, store: HostStore, device: torch.device, pin_all: bool | None = None, feed=None):
+    def __init__(self, store: HostStore, device: torch.device, pin_all: bool | None = None, feed=None,
+                 head: dict[str, torch.Tensor] | None = None):
         """`feed`: where the layers' weights come from (layer_feed.py's protocol); None: the store's masters
-        through `layer_feed` (GRPO's rollouts hand in one that reads the trainer's resident layers in place)."""
+        through `layer_feed` (GRPO's rollouts hand in one that reads the trainer's resident layers in place).
+        `head`: the head tile's weights already on the device (a trainer's resident head, current where its host
+        master is not); None: copied from the host master (7B: ~1 GB in the compute dtype, ~0.3 s)."""
         self.store, self.adapter, self.device = store, store.adapter, device
         self.dtype = store.compute_dtype
         self.num_layers = self.adapter.num_layers
@@ -119,11 +123,13 @@ class StreamedModel:
         self.rotary_per_type = "layer_type" in inspect.signature(type(self.rotary).forward).parameters
         self.norm_template = self.adapter.make_norm_template().eval()
         self.embedding = store.tiles["embed"].master.view(self.adapter.vocab_size, self.adapter.hidden_size)
-        head = store.layouts["head"].views(store.tiles["head"].master)
+        if head is None:
+            head = store.layouts["head"].views(store.tiles["head"].master)
         self.norm_weights = {k.removeprefix("norm."): v.to(device, self.dtype)
                              for k, v in head.items() if k.startswith("norm.")}
         self.lm_weight = (self.embedding if self.adapter.tied else head["lm_head.weight"]).to(device, self.dtype)
         self.steps = 0  # forward steps run (each streamed every layer once)
+        self.decode_path = ""  # how the last decode_batch ran: "graph", or "eager (why not a graph)"
 
     @property
     def bytes_sent(self) -> int:
@@ -143,6 +149,12 @@ class StreamedModel:
         generate.Sampler for GRPO's rollouts): (the new ids, each row's own count of them), on the host. The
         count, not the ids, says where a row ended: a row stopped by a stop string is filled with pad ids, which
         are the eos id where a tokenizer has no pad token of its own."""
+        why_not = why_not_graph(self)
+        self.decode_path = "graph" if why_not is None else f"eager ({why_not})"
+        if why_not is None:
+            return StaticDecoder(self).decode_batch(input_ids, attention_mask, max_new_tokens=max_new_tokens,
+                                                    eos_ids=eos_ids, pad_id=pad_id, stop_criteria=stop_criteria,
+                                                    pick=pick)
         batch, width = input_ids.shape
         done_rule = stopping_rules(eos_ids, stop_criteria)
         # The last new token is never fed back, so the cache needs width + max_new_tokens - 1 columns.
@@ -161,11 +173,7 @@ class StreamedModel:
             hidden = self._embed(step_ids)
             hidden = self._layers(hidden, positions, key_mask[:, :q_start + q_len], q_start, padded, caches,
                                   prefetch_next_step=step + 1 < max_new_tokens)
-            logits = F.linear(run_bound(self.norm_template, self.norm_weights, hidden[:, -1:]), self.lm_weight)
-            if self.adapter.logit_softcap is not None:  # Gemma 2/3: what training's head computes (engine/loss.py)
-                cap = self.adapter.logit_softcap
-                logits = torch.tanh(logits.float() / cap) * cap
-            next_ids = pick(logits[:, -1])
+            next_ids = pick(self.head(hidden[:, -1:])[:, -1])
             next_ids = torch.where(unfinished, next_ids, torch.full_like(next_ids, pad_id))
             sequences = torch.cat([sequences, next_ids[:, None]], dim=1)
             lengths += unfinished  # a token picked while the row ran is the model's own
@@ -185,17 +193,38 @@ class StreamedModel:
             rows = rows * torch.tensor(self.adapter.input_scale, dtype=self.dtype)
         return rows
 
-    def _layers(self, hidden, positions, key_mask, q_start, padded, caches, *, prefetch_next_step: bool):
-        q_len = hidden.shape[1]
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm and LM head over `hidden` [B, q, H] -> logits [B, q, V]."""
+        logits = F.linear(run_bound(self.norm_template, self.norm_weights, hidden), self.lm_weight)
+        if self.adapter.logit_softcap is not None:  # Gemma 2/3: what training's head computes (engine/loss.py)
+            cap = self.adapter.logit_softcap
+            logits = torch.tanh(logits.float() / cap) * cap
+        return logits
+
+    def masks(self, key_mask, q_start: int, q_len: int, padded: bool) -> dict:
+        """Each attention window's mask for the queries at columns q_start.. (`attention_mask`), additive where
+        the family's eager attention adds it to the scores."""
         full = padded or self.additive_mask
         masks = {w: attention_mask(key_mask, q_start, q_len, w, full) for w in set(self.windows)}
         if self.additive_mask:
             masks = {w: torch.zeros(m.shape, dtype=self.dtype, device=m.device).masked_fill_(
                 ~m, torch.finfo(self.dtype).min) for w, m in masks.items()}
+        return masks
+
+    def rotary_tables(self, hidden, positions) -> dict:
+        """Each layer type's rotary (cos, sin) for `positions`."""
         if self.rotary_per_type:
-            rotary = {t: self.rotary(hidden, positions, t) for t in set(self.adapter.layer_types)}
-        else:
-            rotary = dict.fromkeys(set(self.adapter.layer_types), self.rotary(hidden, positions))
+            return {t: self.rotary(hidden, positions, t) for t in set(self.adapter.layer_types)}
+        return dict.fromkeys(set(self.adapter.layer_types), self.rotary(hidden, positions))
+
+    def run_layer(self, i: int, weights, hidden, masks, positions, rotary, cache):
+        return run_bound(self.templates[i], weights, hidden, attention_mask=masks[self.windows[i]],
+                         position_ids=positions, position_embeddings=rotary[self.adapter.layer_types[i]],
+                         **{self.cache_arg: cache})
+
+    def _layers(self, hidden, positions, key_mask, q_start, padded, caches, *, prefetch_next_step: bool):
+        masks = self.masks(key_mask, q_start, hidden.shape[1], padded)
+        rotary = self.rotary_tables(hidden, positions)
         last = self.num_layers - 1
         for i in range(self.num_layers):
             weights = self.feed.get(i)
@@ -203,9 +232,7 @@ class StreamedModel:
                 self.feed.prefetch(i + 1)
             elif prefetch_next_step:
                 self.feed.prefetch(0)  # the next step's first layer streams during the head and the stop check
-            hidden = run_bound(self.templates[i], weights, hidden, attention_mask=masks[self.windows[i]],
-                               position_ids=positions, position_embeddings=rotary[self.adapter.layer_types[i]],
-                               **{self.cache_arg: caches[i]})
+            hidden = self.run_layer(i, weights, hidden, masks, positions, rotary, caches[i])
             self.feed.release()
         self.steps += 1
         return hidden

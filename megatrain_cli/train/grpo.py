@@ -113,6 +113,9 @@ class GRPORun:
         rollouts = sample(b["store"], b["device"], b["tokenizer"], [p.ids for p in picked], g.num_generations,
                           b["sampler"], max_new_tokens=g.max_new_tokens, eos_ids=b["eos"], pad_id=b["pad"],
                           stop=b["stop"], engine=b["engine"])
+        if rollouts.decode_path != self.bound.get("decode_path"):  # said at the first rollout and on a change
+            self.bound["decode_path"] = rollouts.decode_path
+            self.log(f"grpo: rollouts decode {rollouts.decode_path}")
         t0 = time.perf_counter()
         values, errors = [], 0
         for k, text in enumerate(rollouts.texts):

@@ -33,6 +33,7 @@ class Rollouts:
     completion_ids: list[list[int]]  # [P * G] the sampled tokens, up to and including the one that ended it
     texts: list[str]  # [P * G] the completions as text (cut at eos / a stop string), what the rewards read
     seconds: float  # generation's wall time
+    decode_path: str = ""  # StreamedModel.decode_path: "graph", or "eager (why not)"
 
     @property
     def new_tokens(self) -> int:
@@ -48,14 +49,26 @@ class TrainerLayerFeed:
         self.resident = engine.resident
         if not self.resident.loaded:  # a run's (or a resume's) first rollout, before any step loaded them: else
             self.resident.load()  # every layer streams from its master at every token (7B: 156 s, not 7)
-        self.inner = layer_feed(engine.store, device, engine.dtype, pin_all=False)
+        self._inner, self.device, self.dtype = None, device, engine.dtype
         self.store = engine.store
         self.layouts = [engine.store.layouts[n] for n in engine.store.layer_names]
         self._streamed = False  # whether the layer in use came through the inner feed
 
     @property
+    def inner(self):
+        """The feed of the streamed layers, made at the first one: on CUDA its two pinned staging buffers of a
+        layer each (7B: 2 x 466 MB of cudaHostAlloc, ~0.2 s) are not paid when every layer is resident."""
+        if self._inner is None:
+            self._inner = layer_feed(self.store, self.device, self.dtype, pin_all=False)
+        return self._inner
+
+    @property
     def bytes_sent(self) -> int:
-        return self.inner.bytes_sent
+        return 0 if self._inner is None else self._inner.bytes_sent
+
+    def all_in_place(self) -> bool:
+        """Every decoder layer is read in place on the device (a decode step can be one CUDA graph)."""
+        return all(self._in_place(i) for i in range(len(self.layouts)))
 
     def _in_place(self, layer: int) -> bool:
         return self.resident.loaded and f"layers.{layer}" in self.resident
@@ -88,12 +101,8 @@ def sample(store, device: torch.device, tokenizer, prompt_ids: list[list[int]], 
     resident layers are then read in place on the device)."""
     t0 = time.perf_counter()
     feed = TrainerLayerFeed(engine, device) if engine is not None else None
-    model = StreamedModel(store, device, pin_all=False, feed=feed)
-    head = feed.head() if feed is not None else None
-    if head is not None:  # the resident head's weights, current on the device (its host master is not)
-        model.norm_weights = {k.removeprefix("norm."): v for k, v in head.items() if k.startswith("norm.")}
-        if not store.adapter.tied:
-            model.lm_weight = head["lm_head.weight"]
+    # the resident head's weights, current on the device (its host master is not), else the master's copy
+    model = StreamedModel(store, device, pin_all=False, feed=feed, head=feed.head() if feed is not None else None)
     repeated = [ids for ids in prompt_ids for _ in range(group)]
     input_ids, mask = left_pad(repeated, pad_id)
     criteria = [StopOnStrings(tokenizer, stop, input_ids.shape[1])] if stop else []
@@ -105,7 +114,7 @@ def sample(store, device: torch.device, tokenizer, prompt_ids: list[list[int]], 
         generation = _finish(tokenizer, row, eos_ids, pad_id, stop, length)
         completions.append(row[:generation.new_tokens])
         texts.append(generation.text)
-    return Rollouts(repeated, completions, texts, time.perf_counter() - t0)
+    return Rollouts(repeated, completions, texts, time.perf_counter() - t0, model.decode_path)
 
 
 def rollout_rows(rollouts: Rollouts, advantages: torch.Tensor, micro_batch_size: int,
