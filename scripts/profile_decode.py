@@ -79,6 +79,15 @@ def main() -> None:
 
     global RUN
     RUN = (model, ids, mask, kw)
+    stepwise(model, ids, mask, kw, "graph")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        try:
+            with sdpa_kernel(backend):
+                stepwise(model, ids, mask, kw, f"graph, {backend.name}")
+        except RuntimeError as e:
+            print(f"graph, {backend.name}: {str(e).splitlines()[0][:150]}")
     graph = timed("graph")
     with mock.patch.object(streamed, "why_not_graph", lambda m: "forced"):
         eager = timed("eager")
@@ -90,6 +99,29 @@ def main() -> None:
     for name, ms in sorted(per_step.items(), key=lambda kv: -kv[1])[:22]:
         print(f"  {ms:8.3f}  {name[:110]}")
     print(f"graph / eager token step: {eager / graph:.2f}x")
+
+
+def stepwise(model, ids, mask, kw, label: str) -> None:
+    """Each token step's wall time, and how much of it the host waited for the GPU (a sync before the pick):
+    a step = host work (its launches, the ids' read, the stop rules, the next inputs) + the GPU's wait."""
+    stamps = []
+
+    def pick(logits):
+        t0 = time.perf_counter()
+        torch.cuda.synchronize()
+        stamps.append((t0, time.perf_counter()))
+        return kw["pick"](logits)
+
+    for _ in range(2):  # the second call's figures: shapes seen, kernels compiled
+        stamps.clear()
+        with torch.inference_mode():
+            model.decode_batch(ids, mask, **{**kw, "pick": pick})
+        torch.cuda.synchronize()
+    walls = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]
+    waits = [b[1] - b[0] for b in stamps[1:]]
+    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731
+    print(f"{label}: token step median {med(walls):.2f} ms, of it waiting for the GPU {med(waits):.2f} ms; "
+          f"first steps {[round(w * 1e3, 1) for w in walls[:4]]} ms; path {model.decode_path}", flush=True)
 
 
 def profiled(n: int) -> dict[str, float]:
