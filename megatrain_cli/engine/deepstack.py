@@ -31,7 +31,7 @@ class Deepstack:
     def begin(self, mbs, deep: list[torch.Tensor], counts: list[int]) -> None:
         """The step's features (`deep`: one [N, H] per layer k, rows of every micro-batch's images in order)."""
         self.clear()
-        if not self.layers:
+        if not self.layers or not deep:  # (a tower cut short, as the layer probe's, reaches no deepstack layer)
             return
         start, device = 0, deep[0].device
         for mb, n in zip(mbs, counts):
