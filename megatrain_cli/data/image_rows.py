@@ -58,7 +58,7 @@ def encode_example(processor, ex: Example, template: str, train_on: str) -> tupl
     ids: list[int] = []
     mask: list[int] = []
     for seg in segments:
-        n = seg.text.count(processor.image_token)
+        n = seg.text.count(processor.image_token)  # the token each image is marked with (processor.py)
         piece, _ = processor.encode(seg.text, [next(paths) for _ in range(n)])
         ids += piece
         mask += [int(seg.supervised and i != processor.image_token_id) for i in piece]

@@ -16,6 +16,7 @@ import torch
 from megatrain_cli.batch import MicroBatch, StepResult
 from megatrain_cli.engine import kernel_patch
 from megatrain_cli.engine.inputs import embed_output_grads, step_inputs
+from megatrain_cli.engine.deepstack import Deepstack
 from megatrain_cli.engine.embed_backward import embed_backward
 from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.head import run_head
@@ -77,6 +78,7 @@ class Engine:
         self.moe, self.router = moe_setup(self.adapter.config, self.templates, device)  # None, None if dense
         self.norm_template = self.adapter.make_norm_template()
         self.vision = VisionPhase(self, frozen) if self.adapter.vision is not None else None  # a VLM's tower
+        self.deepstack = self.vision.deepstack if self.vision is not None else Deepstack(-1, 0)  # none: a no-op
         self.layer_inputs = self.adapter.make_layer_inputs(device)  # HF's decoder code: masks, rotary tables
         # With a disk tier (store.disk) each tile's state is touched once a step, by one update pass, in the
         # order the tier reads ahead: no speculation (corrections), no deferred moments (a second pass).
@@ -116,12 +118,12 @@ class Engine:
             self._install_lean(lean)
         self.checkpoints = StepCheckpoints(self.ops, self.adapter.num_layers, self.interval, self.keep_blocks,
                                            self.offloader)
-        self._fused_ce = None
+        self.fused_ce = None  # the fused linear + cross-entropy kernel the head runs, or None on the PyTorch path
         if self.kernels == "triton":  # after the lean plan's pieces: see kernel_patch's precedence
             for template in (*self.templates.all(), self.norm_template):
                 kernel_patch.install_kernels(template)
             if self.adapter.logit_softcap is None:  # the fused kernel has no softcap: Gemma's head runs chunked
-                self._fused_ce = kernel_patch.fused_cross_entropy()
+                self.fused_ce = kernel_patch.fused_cross_entropy()
 
     def _install_lean(self, lean: LeanPlan) -> None:
         if lean.mlp_chunk_tokens:
@@ -164,7 +166,7 @@ class Engine:
         `count` / `keep`: what the router loss takes from its routers (engine/router_loss.py)."""
         if self.router is not None:
             self.router.at(i, mb, count=count, keep=keep)
-        return run_bound(self.templates.next_for(i), weights, h, **call.kwargs[i])
+        return self.deepstack.add(i, mb, run_bound(self.templates.next_for(i), weights, h, **call.kwargs[i]))
 
     # ------------------------------------------------------------ the step
     def step(self, micro_batches: list[MicroBatch], lr: float) -> StepResult:
@@ -194,10 +196,6 @@ class Engine:
             self.resident.update(lr, coef)
         res.times["optimizer"] = time.perf_counter() - t0
         return res
-
-    @property
-    def fused_ce(self):  # the fused linear + cross-entropy kernel the head runs, or None on the PyTorch path
-        return self._fused_ce
 
     def recomputed_layers(self) -> int:
         """Layer forwards run again per step: the recomputed blocks' layers, and the layers rebuilding a
@@ -390,6 +388,7 @@ class Engine:
         grads_in = []
         for m, (x, y, g) in enumerate(zip(xs, ys, grads_out)):
             aux = self.router.terms(i, m) if self.router is not None else []  # the router aux loss's share
+            self.deepstack.take_grad(i, m, g)  # Qwen3-VL: d loss / d its deepstack features (engine/deepstack.py)
             out = torch.autograd.grad([y, *aux], [x, *w.values()], [g, *[None] * len(aux)])
             grads_in.append(out[0])
             for name, gw in zip(names, out[1:]):

@@ -13,6 +13,9 @@ autograd pass through the shell runs the projector's backward, the layers' backw
 patch embedding's. Costs: 2 transfers per tower layer per step, one [patches, width] checkpoint per layer,
 the projector's and the patch embedding's activations for the step, and one H2D of their fp32 masters cast.
 
+Qwen3-VL's deepstack features (engine/deepstack.py) come out of the same shell pass; the decoder adds them
+after its first layers, and their gradients join the main features' in the one autograd pass back.
+
 Frozen parts (`model.freeze_vision`, `model.freeze_projector`) run without autograd and send no gradient;
 the optimizer never touches them (their masters stay bit-unchanged).
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from megatrain_cli.engine.deepstack import Deepstack
 from megatrain_cli.engine.grad_norm import squared_norm
 from megatrain_cli.engine.templates import run_bound
 from megatrain_cli.models.vision import EMBED, PROJECTOR, vision_tile
@@ -59,7 +63,8 @@ class VisionPhase:
             if key not in self._templates:
                 self._templates[key] = self.parts.make_layer_template(i)
         self.shell = self.parts.make_features_shell(self._run_layer, engine.device)
-        self._graph = None  # (features, the trainable outer tiles' leaves) between forward and backward
+        self.deepstack = Deepstack(self.parts.image_token_id, self.parts.deepstack)  # Qwen3-VL's; else none
+        self._graph = None  # (features, deepstack features, the trainable outer tiles' leaves) forward -> backward
         self._outer_views: dict[str, dict[str, torch.Tensor]] = {}  # this step's embed / projector weights
         self._sq_norm = None
 
@@ -121,6 +126,7 @@ class VisionPhase:
         """Every micro-batch's image features (rows in placeholder order), None for a text-only one. They
         are leaves of the decoder's graph: their gradients come back through `backward`."""
         self._graph, self._sq_norm = None, sq_norm
+        self.deepstack.clear()
         with_images = [mb for mb in mbs if mb.images is not None]
         if not with_images:
             return [None] * len(mbs)
@@ -131,13 +137,14 @@ class VisionPhase:
         weights = self._outer_weights()
         grad = bool(self.trainable)
         with torch.set_grad_enabled(grad):
-            feats = torch.func.functional_call(self.shell, weights, (), images, strict=False, tie_weights=False)
+            feats, deep = torch.func.functional_call(self.shell, weights, (), images, strict=False, tie_weights=False)
         if grad:
-            self._graph = (feats, [w for w in weights.values() if w.requires_grad])
+            self._graph = (feats, deep, [w for w in weights.values() if w.requires_grad])
         counts = [self.parts.image_tokens(mb.input_ids) if mb.images is not None else 0 for mb in mbs]
         if sum(counts) != feats.shape[0]:
             raise ValueError(f"the step's rows hold {sum(counts)} image tokens, its images give {feats.shape[0]} "
                              f"features: the rows were not made by this model's processor")
+        self.deepstack.begin(mbs, deep, counts)
         out, start = [], 0
         for n in counts:
             out.append(feats[start:start + n].detach().requires_grad_(grad) if n else None)
@@ -147,13 +154,15 @@ class VisionPhase:
     def backward(self, feature_grads: list[torch.Tensor | None]) -> None:
         """d loss / d features per micro-batch (None where it had none) through projector, layers, patch
         embedding; every trainable tile's gradient is sent."""
-        if self._graph is None:
+        graph, self._graph = self._graph, None
+        deep_grads = self.deepstack.grads(graph[1]) if graph is not None else []
+        self.deepstack.clear()  # nothing of the step's features outlives it (a validation pass on text rows)
+        if graph is None:
             return
-        feats, leaves = self._graph
-        self._graph = None
+        feats, deep, leaves = graph
         grad = torch.cat([g for g in feature_grads if g is not None]).to(feats.dtype)
         # The tower layers' backward runs inside this pass (_StreamedLayer.backward), last layer first.
-        grads = torch.autograd.grad(feats, leaves, grad, allow_unused=True)
+        grads = torch.autograd.grad([feats, *deep], leaves, [grad, *deep_grads], allow_unused=True)
         by_leaf = {id(leaf): g for leaf, g in zip(leaves, grads)}
         for tile in self.outer_tiles:
             if tile not in self.frozen:

@@ -1,6 +1,11 @@
 """A vision-language model's processor (its tokenizer and image processor), read from the model's folder
 with no network, or the small bundled one for the VLM presets.
 
+Two kinds. Qwen2-VL-style dynamic resolution (`ImageTextProcessor`): the tokenizer and the image processor
+as a pair, each image token expanded to its image's grid. A fixed count per image (`FixedImageProcessor`:
+LLaVA, Gemma 3): the family's own processor from `AutoProcessor` expands each image marker (LLaVA's
+`<image>`, Gemma 3's `<start_of_image>`) as it does for inference; nothing of its rule is re-implemented.
+
 The bundled processor (assets/vlm/) is Qwen2-VL's image processor and the bundled byte-level tokenizer
 plus the ChatML and vision tokens, with a ChatML template that renders image parts as Qwen2-VL's does
 (<|vision_start|><|image_pad|><|vision_end|>), and an image processor bounded to small images (28..448
@@ -36,10 +41,9 @@ class ImageTextProcessor:
         self.tokenizer, self.image_processor = tokenizer, image_processor
         self.merge = int(getattr(image_processor, "merge_size", 0) or 0)
         if not self.merge:
-            raise ValueError(f"{type(image_processor).__name__}: image data trains only models with a "
-                             f"dynamic-resolution image processor (Qwen2-VL's or Qwen2.5-VL's, with a merge_size); "
-                             f"LLaVA and Gemma 3 train through the engine API only so far (docs/vlm.md): train or "
-                             f"evaluate a Qwen2-VL or Qwen2.5-VL model on images")
+            raise ValueError(f"{type(image_processor).__name__}: no merge_size, and no processor_config.json "
+                             f"beside it: image data trains models with a dynamic-resolution image processor "
+                             f"(Qwen2-VL's) or with their own processor's files (LLaVA, Gemma 3; docs/vlm.md)")
         self.image_token = next((t for t in ("<|image_pad|>", "<image>") if t in tokenizer.get_vocab()), None)
         if self.image_token is None:
             raise ValueError(f"the tokenizer {tokenizer.name_or_path!r} has no image token (<|image_pad|>)")
@@ -57,17 +61,7 @@ class ImageTextProcessor:
 
     def images(self, paths: list[str]) -> dict:
         """The image processor's tensors for these files, in order (pixel_values, image_grid_thw)."""
-        from PIL import Image
-
-        opened = []
-        for p in paths:  # the data checks read each header (data/images.py); a truncated body fails here
-            try:
-                opened.append(Image.open(p).convert("RGB"))
-            except OSError as err:
-                from megatrain_cli.data.errors import DataError
-
-                raise DataError(f"image {p}: {err}; replace the file or remove its record") from None
-        out = self.image_processor(images=opened, return_tensors="pt")
+        out = self.image_processor(images=_open(paths), return_tensors="pt")
         return {k: out[k] for k in ("pixel_values", "image_grid_thw")}
 
     def encode(self, text: str, paths: list[str]) -> tuple[list[int], dict | None]:
@@ -83,11 +77,63 @@ class ImageTextProcessor:
         return out, tensors
 
 
-def load_processor(directory: str | Path | None, trust_remote_code: bool = False) -> ImageTextProcessor:
-    """The processor of `directory` (local files only), or the bundled one when None."""
-    from transformers import AutoImageProcessor, AutoTokenizer
+class FixedImageProcessor:
+    """A family's own HF processor (LLaVA's, Gemma 3's) behind ImageTextProcessor's interface: the chat
+    template's image part is the marker, and the processor expands it (Gemma 3: begin-of-image, its
+    `image_seq_length` soft tokens, end-of-image) into the model's image tokens; `image_token_id` is the token
+    the features replace (the model's `image_token_id`), the one that never carries loss."""
+
+    def __init__(self, processor):
+        self.hf, self.tokenizer = processor, processor.tokenizer
+        self.image_token = processor.image_token  # what the text holds per image (LLaVA: <image>; Gemma 3: boi)
+        token = getattr(self.tokenizer, "image_token", None) or processor.image_token  # Gemma 3's soft token
+        self.image_token_id = self.tokenizer.convert_tokens_to_ids(token)
+        self.marker = image_marker(self.tokenizer, self.image_token)
+
+    def save_pretrained(self, directory: str) -> None:
+        self.hf.save_pretrained(directory)
+
+    def images(self, paths: list[str]) -> dict:
+        """The image processor's tensors for these files, in order (pixel_values)."""
+        out = self.hf.image_processor(images=_open(paths), return_tensors="pt")
+        return {"pixel_values": out["pixel_values"]}
+
+    def encode(self, text: str, paths: list[str]) -> tuple[list[int], dict | None]:
+        """Ids of `text` (no special tokens added) with each image marker expanded by the processor."""
+        if not paths:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        out = self.hf(text=[text], images=_open(paths), add_special_tokens=False, return_tensors="pt")
+        return out["input_ids"][0].tolist(), {"pixel_values": out["pixel_values"]}
+
+
+def _open(paths: list[str]) -> list:
+    from PIL import Image
+
+    opened = []
+    for p in paths:  # the data checks read each header (data/images.py); a truncated body fails here
+        try:
+            opened.append(Image.open(p).convert("RGB"))
+        except OSError as err:
+            from megatrain_cli.data.errors import DataError
+
+            raise DataError(f"image {p}: {err}; replace the file or remove its record") from None
+    return opened
+
+
+def load_processor(directory: str | Path | None, trust_remote_code: bool = False):
+    """The processor of `directory` (local files only), or the bundled one when None: a family's own
+    processor (processor_config.json: LLaVA, Gemma 3) unless its image processor is Qwen2-VL's dynamic one
+    (which transformers' AutoProcessor builds only with torchvision installed)."""
+    from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer
 
     d = Path(directory) if directory is not None else BUNDLED_PROCESSOR_DIR
+    if (d / "processor_config.json").is_file():
+        try:
+            hf = AutoProcessor.from_pretrained(str(d), local_files_only=True, trust_remote_code=trust_remote_code)
+        except (ImportError, ValueError, OSError):  # Qwen2-VL's without torchvision: the pair below
+            hf = None
+        if hf is not None and not getattr(hf.image_processor, "merge_size", None):
+            return FixedImageProcessor(hf)
     if not (d / "preprocessor_config.json").is_file():
         raise ValueError(f"no image processor in {d} (preprocessor_config.json): a vision-language model needs "
                          f"its processor's files beside its tokenizer; copy them from the model's release")

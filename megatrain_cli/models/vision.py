@@ -30,9 +30,11 @@ VERIFIED_VLM: dict[str, str] = {
     "qwen2_5_vl": "Qwen2.5-VL (windowed vision attention, RMSNorm vision layers)",
     "llava": "LLaVA (CLIP / SigLIP tower, features from a hidden state, MLP projector, Llama / Qwen decoder)",
     "gemma3": "Gemma 3 (SigLIP tower, pooled projector, image tokens attending both ways, scaled embeddings)",
+    "qwen3_vl": "Qwen3-VL (learned position grid, deepstack features added after the first decoder layers)",
 }
-# Children of the tower that project into the decoder's width (the rest of the tower is `vision.embed`).
-_PROJECTOR_IN_TOWER = ("merger",)
+# Children of the tower that project into the decoder's width (the rest of the tower is `vision.embed`):
+# Qwen-VL's merger, and Qwen3-VL's deepstack mergers (one per tower layer whose output also feeds the decoder).
+_PROJECTOR_IN_TOWER = ("merger", "deepstack_merger_list")
 EMBED, PROJECTOR = "vision.embed", "vision.projector"
 
 
@@ -69,12 +71,19 @@ class _ImageFeatures(nn.Module):
         super().__init__()
         self.base = base
 
-    def forward(self, **images) -> torch.Tensor:
+    def forward(self, **images) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(features [N, H], deepstack features: one [N, H] per decoder layer they are added after; Qwen3-VL's
+        only, empty for every other family), rows in placeholder order."""
         out = self.base.get_image_features(**images)
         feats = getattr(out, "pooler_output", out)  # a model output (5.x) or the features themselves
-        if isinstance(feats, (tuple, list)):  # one tensor per image
-            feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
-        return feats.reshape(-1, feats.shape[-1])
+        deep = getattr(out, "deepstack_features", None) or []
+        return _rows(feats), [_rows(d) for d in deep]
+
+
+def _rows(feats) -> torch.Tensor:
+    if isinstance(feats, (tuple, list)):  # one tensor per image
+        feats = torch.cat([f.reshape(-1, f.shape[-1]) for f in feats])
+    return feats.reshape(-1, feats.shape[-1])
 
 
 class VisionParts:
@@ -93,7 +102,8 @@ class VisionParts:
         self.base_path = meta.base_model_prefix
         vc = config.vision_config
         depth = int(getattr(vc, "depth", None) or getattr(vc, "num_hidden_layers"))
-        lists = [(n, m) for n, m in self._tower.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth]
+        lists = [(n, m) for n, m in self._tower.named_modules() if isinstance(m, nn.ModuleList) and len(m) == depth
+                 and n.partition(".")[0] not in _PROJECTOR_IN_TOWER]  # (Qwen3-VL's deepstack mergers may number depth)
         if len(lists) != 1:
             raise UnsupportedModel(f"{where}: expected one list of {depth} vision layers, found "
                                    f"{[n for n, _ in lists]}")
@@ -114,6 +124,9 @@ class VisionParts:
                 ParamSpec(n, tuple(p.shape)))
         self.blocks_path = f"{self.base_path}.{blocks_prefix[:-1]}"
         self.image_token_id = int(config.image_token_id)
+        # Qwen3-VL: the outputs of these tower layers, each through its own merger, are added to the image
+        # tokens' hidden states after decoder layers 0, 1, ... (HF's `_deepstack_process`; engine/deepstack.py)
+        self.deepstack = len(getattr(vc, "deepstack_visual_indexes", None) or ())
 
     # ------------------------------------------------------------ tiles
     def tiles(self) -> list[tuple[str, list[ParamSpec]]]:

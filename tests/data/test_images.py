@@ -141,8 +141,8 @@ def test_a_validation_loss_on_images_is_refused_with_the_fix(tmp_path):
 
 
 def test_an_image_processor_without_dynamic_resolution_is_refused_with_the_fix():
-    """A LLaVA or Gemma 3 folder's processor (fixed-size images, no merge_size): the data path covers Qwen2-VL's
-    processors only, and the refusal says which models train from image data and where the rest stand."""
+    """A fixed-size image processor without its family's processor files (processor_config.json: LLaVA's and
+    Gemma 3's, tests/data/test_image_families.py): the refusal says which folders train from image data."""
     from megatrain_cli.models.processor import ImageTextProcessor
 
     class CLIPImageProcessor:  # what a LLaVA folder's AutoImageProcessor gives: no merge_size
@@ -151,9 +151,9 @@ def test_an_image_processor_without_dynamic_resolution_is_refused_with_the_fix()
     with pytest.raises(ValueError) as err:
         ImageTextProcessor(load_processor(None).tokenizer, CLIPImageProcessor())
     assert str(err.value) == (
-        "CLIPImageProcessor: image data trains only models with a dynamic-resolution image processor (Qwen2-VL's "
-        "or Qwen2.5-VL's, with a merge_size); LLaVA and Gemma 3 train through the engine API only so far "
-        "(docs/vlm.md): train or evaluate a Qwen2-VL or Qwen2.5-VL model on images")
+        "CLIPImageProcessor: no merge_size, and no processor_config.json beside it: image data trains models with "
+        "a dynamic-resolution image processor (Qwen2-VL's) or with their own processor's files (LLaVA, Gemma 3; "
+        "docs/vlm.md)")
 
 
 def test_an_image_too_large_to_decode_is_refused(monkeypatch):

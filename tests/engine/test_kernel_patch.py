@@ -254,7 +254,7 @@ def test_torch_engine_installs_nothing():
     store = build_store(config, torch.float32, seed=0)
     engine = make_engine(store, TrainConfig(steps=1), device="cpu", checkpoint_interval=1, kernels="auto",
                          overlap_optimizer=False)
-    assert engine.kernels == "torch" and engine._fused_ce is None
+    assert engine.kernels == "torch" and engine.fused_ce is None
     for template in (*engine.templates.all(), engine.norm_template):
         assert not any("forward" in m.__dict__ for m in template.modules())
     engine.close()

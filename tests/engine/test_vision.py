@@ -28,6 +28,19 @@ IMAGE, START, END = 100, 102, 103  # image / vision start / vision end token ids
 def tiny_vlm_config(family: str = "qwen2_vl", layers: int = 2, depth: int = 2):
     from transformers import AutoConfig
 
+    if family == "qwen3_vl":  # learned position grid (4 x 4), deepstack features after decoder layers 0 and 1
+        pytest.importorskip("transformers.models.qwen3_vl", reason="this transformers has no Qwen3-VL")
+        # one decoder layer more than deepstack features: a feature added after the last layer reaches only
+        # the image tokens' logits, which carry no loss (no gradient, in HF too)
+        text = dict(hidden_size=32, head_dim=8, num_hidden_layers=layers + 1, num_attention_heads=4, num_key_value_heads=2,
+                    intermediate_size=48, vocab_size=120, max_position_embeddings=256, pad_token_id=0,
+                    rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2], "mrope_interleaved": True,
+                                     "rope_theta": 10000.0})
+        vision = dict(depth=depth, hidden_size=32, intermediate_size=48, num_heads=4, patch_size=16,
+                      spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=32, num_position_embeddings=16,
+                      deepstack_visual_indexes=list(range(depth)))
+        return AutoConfig.for_model(family, text_config=text, vision_config=vision, image_token_id=IMAGE,
+                                    video_token_id=101, vision_start_token_id=START, vision_end_token_id=END)
     if family == "gemma3":  # SigLIP tower (28 px: 4 patches), pooled to 4 tokens, Gemma 3 text decoder
         from tests.reference import FAMILY_EXTRAS
 
@@ -63,11 +76,11 @@ def tiny_vlm_config(family: str = "qwen2_vl", layers: int = 2, depth: int = 2):
                                 video_token_id=101, vision_start_token_id=START, vision_end_token_id=END)
 
 
-def _pil_processor():
+def _pil_processor(patch: int = 14):
     from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
 
-    return pil.Qwen2VLImageProcessorPil(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=28 * 28,
-                                        max_pixels=84 * 84)
+    return pil.Qwen2VLImageProcessorPil(patch_size=patch, temporal_patch_size=2, merge_size=2,
+                                        min_pixels=(2 * patch) ** 2, max_pixels=(6 * patch) ** 2)
 
 
 def _clip_processor():
@@ -81,7 +94,7 @@ def image_rows(names: list[str], seed: int, family: str = "qwen2_vl") -> MicroBa
     Loss on the last tokens only, never on an image token."""
     from PIL import Image
 
-    processor = _clip_processor() if family in ("llava", "gemma3") else _pil_processor()
+    processor = _clip_processor() if family in ("llava", "gemma3") else _pil_processor(16 if family == "qwen3_vl" else 14)
     out = processor(images=[Image.open(IMAGES / n).convert("RGB") for n in names], return_tensors="pt")
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -150,7 +163,7 @@ def test_every_verified_vlm_family_has_a_case():
     assert sorted(VERIFIED_VLM) == sorted(FAMILIES)
 
 
-FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3"]
+FAMILIES = ["qwen2_vl", "qwen2_5_vl", "llava", "gemma3", "qwen3_vl"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -165,9 +178,11 @@ def test_vlm_parity_three_steps_vision_tower_trained(family):
     assert bool(unused) == (family == "llava")
 
 
-@pytest.mark.parametrize("freeze_vision,freeze_projector", [(True, False), (True, True), (False, True)])
-def test_frozen_parts_stay_bit_unchanged_and_the_rest_matches(freeze_vision, freeze_projector):
-    store, ref, ref_losses, results, before, frozen = run_both("qwen2_vl", freeze_vision=freeze_vision,
+@pytest.mark.parametrize("family,freeze_vision,freeze_projector", [
+    ("qwen2_vl", True, False), ("qwen2_vl", True, True), ("qwen2_vl", False, True),
+    ("qwen3_vl", True, False), ("qwen3_vl", False, True)])  # Qwen3-VL: the deepstack mergers are the projector's
+def test_frozen_parts_stay_bit_unchanged_and_the_rest_matches(family, freeze_vision, freeze_projector):
+    store, ref, ref_losses, results, before, frozen = run_both(family, freeze_vision=freeze_vision,
                                                                freeze_projector=freeze_projector)
     assert_parity(store, ref, ref_losses, results)
     ours = store.hf_state_dict()
@@ -176,7 +191,7 @@ def test_frozen_parts_stay_bit_unchanged_and_the_rest_matches(freeze_vision, fre
     assert all(not torch.equal(ours[n], before[n]) for n in trained if "embed_tokens" not in n)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "llava", "gemma3", "qwen3_vl"])
 def test_every_gradient_matches_the_plain_model(family):
     """One step's gradients, as they land in the host tiles (unclipped, summed over the micro-batches), equal
     the plain model's for every tensor: vision tower, projector, decoder, embedding rows. A tensor HF gives
