@@ -29,6 +29,28 @@ def matches(reply: str, gold: str) -> dict[str, bool]:
     return {"strict": reply.strip() == gold.strip(), "flexible": loose(reply) == loose(gold)}
 
 
+def generate_inputs(model, ids: torch.Tensor, image_token_id: int, images: dict | None, dtype: torch.dtype) -> dict:
+    """What the family's own HF processor hands `generate` beside input_ids, under the names its forward takes:
+    the attention mask, the image tensors (pixel_values in the model's dtype, Qwen2-VL's image_grid_thw), and
+    the image tokens' types where the family reads them: Qwen2-VL / 2.5-VL `mm_token_type_ids` (its M-RoPE
+    positions; without them the images' tokens get plain positions), Gemma 3 `token_type_ids` (its processor's
+    name: an image's tokens attend to each other both ways), LLaVA neither. One name for every family was wrong:
+    generate refuses an argument the forward does not take (ValueError before the first token). Costs: one
+    signature lookup per example."""
+    import inspect
+
+    takes = inspect.signature(model.forward).parameters
+    out = {"attention_mask": torch.ones_like(ids)}
+    is_image = ids == image_token_id  # 1 = image token, as the processors mark them (no videos here)
+    if "mm_token_type_ids" in takes:
+        out["mm_token_type_ids"] = is_image.int()
+    elif "token_type_ids" in takes:
+        out["token_type_ids"] = is_image.long()
+    for key, value in (images or {}).items():
+        out[key] = value.to(ids.device, dtype) if key == "pixel_values" else value.to(ids.device)
+    return out
+
+
 def run_image_eval(examples, model_path: str, *, template: str, extract: str, max_new_tokens: int,
                    device: torch.device, output_dir: str | Path, label: str, split: str,
                    log: Callable[[str], None]) -> dict:
@@ -52,12 +74,9 @@ def run_image_eval(examples, model_path: str, *, template: str, extract: str, ma
                                                                  for t in ex.history], ex.chat)
         ids, images = processor.encode(prompt, ex.images)
         ids_t = torch.tensor([ids], device=device)
-        extra = {k: v.to(device) for k, v in (images or {}).items()}
-        if "pixel_values" in extra:
-            extra["pixel_values"] = extra["pixel_values"].to(dtype)
         with torch.no_grad():
-            seq = model.generate(input_ids=ids_t, attention_mask=torch.ones_like(ids_t),
-                                 mm_token_type_ids=(ids_t == processor.image_token_id).int(), **extra,
+            seq = model.generate(input_ids=ids_t, **generate_inputs(model, ids_t, processor.image_token_id, images,
+                                                                    dtype),
                                  max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop,
                                  pad_token_id=tok.pad_token_id)
         new = seq[0, len(ids):]

@@ -13,14 +13,21 @@ time: the reader faults a tile's pages in (MADV_POPULATE_WRITE: Linux 5.14+; els
 the page cache) before the update reaches it; the writer flushes the tile once it is updated and drops it,
 so the tier's memory stays a few tiles (`in_flight` ahead, what is being written behind) whatever the model.
 
-The files are made in a fresh folder under store.disk, their space reserved (posix_fallocate: a full disk is
-said up front, not as a SIGBUS mid-step) and unlinked at once: the mappings keep them, and a run that ends,
-crashes or is killed leaves nothing behind. They are scratch: what lasts is the checkpoints.
+The files are made in store.disk without a name (O_TMPFILE), their space reserved (posix_fallocate: a full disk
+is said up front, not as a SIGBUS mid-step), and mapped from the descriptor: a run that ends, crashes or is
+killed at any point, setup included, leaves nothing behind, and there is no folder of ours to find and clean
+(issue #34: a run killed during setup used to leave an empty `megatrain-tier-*` folder; a folder needs a name,
+and a name outlives a SIGKILL). Where the file system lacks O_TMPFILE (it is Linux 3.11+, and ext4, xfs, btrfs,
+tmpfs have it; some network file systems do not) the file is made with a name and unlinked in the next
+syscall, before its space is reserved: a kill in that window leaves one empty `.megatrain-tier-*` file. They are
+scratch: what lasts is the checkpoints.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
+import mmap
 import os
 import shutil
 import tempfile
@@ -71,11 +78,11 @@ class DiskTier:
 
     def __init__(self, path: str | Path, state: str, in_flight: int = 2):
         self.state, self.sections, self.in_flight = state, disk_sections(state), max(1, in_flight)
-        try:
-            self.folder = Path(tempfile.mkdtemp(prefix="megatrain-tier-", dir=path))
-        except OSError as err:
-            raise TierError(f"store.disk: cannot make a folder in {path} ({err.strerror or err}); point store.disk "
-                            "at a writable local folder") from None
+        self.folder = Path(path)  # store.disk itself: the files are made there, nameless
+        if not self.folder.is_dir() or not os.access(self.folder, os.W_OK | os.X_OK):
+            raise TierError(f"store.disk: cannot make a file in {path} (not a writable folder); point store.disk "
+                            "at a writable local folder")
+        self._tmpfile = hasattr(os, "O_TMPFILE")  # cleared on the first refusal: this file system lacks it
         self._files: dict[str, _File] = {}
         self._order: list[str] = []
         self._reads: list[str] = []
@@ -93,29 +100,38 @@ class DiskTier:
     # ------------------------------------------------------------ the files
     def map(self, name: str, nbytes: int) -> torch.Tensor:
         """A uint8 tensor of `nbytes` over tile `name`'s new file (zeros), its space reserved."""
-        path = self.folder / f"{name}.state"
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = self._open_nameless()
         except OSError as err:
-            raise TierError(f"store.disk: cannot make a file in {self.folder.parent} ({err.strerror or err}); point "
+            raise TierError(f"store.disk: cannot make a file in {self.folder} ({err.strerror or err}); point "
                             "store.disk at a writable local folder") from None
         try:
             os.posix_fallocate(fd, 0, max(nbytes, 1))
-            view = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+            # MAP_SHARED of the descriptor (no path to open): the tensor keeps the mapping alive (frombuffer holds
+            # the mmap object), as torch.from_file's did; the descriptor stays open for pread and fadvise.
+            mapping = mmap.mmap(fd, max(nbytes, 1), flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            view = torch.frombuffer(mapping, dtype=torch.uint8)[:nbytes]
         except OSError as err:
             os.close(fd)
             free = shutil.disk_usage(self.folder).free
-            raise TierError(f"store.disk: {self.folder.parent} has {free / 2**30:.2f} GiB free, too little for the "
+            raise TierError(f"store.disk: {self.folder} has {free / 2**30:.2f} GiB free, too little for the "
                             f"optimizer state store.disk_state={self.state} puts there ({err.strerror or err}); "
                             "free space there or point store.disk at a larger disk") from None
-        finally:
-            os.unlink(path)  # the mapping keeps the file; nothing is left on disk when the process ends
         self._files[name] = _File(fd, view)
         return view
 
-    def seal(self) -> None:
-        """Every tile is mapped: the (empty) folder goes too, so a run killed from here on leaves nothing."""
-        shutil.rmtree(self.folder, ignore_errors=True)
+    def _open_nameless(self) -> int:
+        """A new file in store.disk that no name points to: O_TMPFILE, else a name unlinked at once."""
+        if self._tmpfile:
+            try:
+                return os.open(self.folder, os.O_TMPFILE | os.O_RDWR, 0o600)
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                    raise
+                self._tmpfile = False
+        fd, name = tempfile.mkstemp(prefix=".megatrain-tier-", suffix=".state", dir=self.folder)
+        os.unlink(name)  # the next syscall: the window in which a kill leaves a name is this one, the file empty
+        return fd
 
     def bytes_on_disk(self) -> int:
         return sum(f.view.numel() for f in self._files.values())
@@ -195,7 +211,6 @@ class DiskTier:
         for f in self._files.values():
             os.close(f.fd)
         self._files.clear()
-        shutil.rmtree(self.folder, ignore_errors=True)
 
     # ------------------------------------------------------------ the threads
     def _queue(self, name: str) -> None:  # holds self._cv
@@ -216,7 +231,7 @@ class DiskTier:
     def _wait(self, event: threading.Event) -> None:
         event.wait()
         if self._error is not None:  # a read or write-behind failed on the tier's threads (EIO, a pulled disk)
-            e, where = self._error, self.folder.parent  # the user's store.disk (the tier's own folder is gone)
+            e, where = self._error, self.folder  # the user's store.disk
             raise TierError(f"store.disk: the disk tier's I/O in {where} failed ({type(e).__name__}: {e}); "
                             f"check that disk, then resume from the last checkpoint (the tier's files are scratch: "
                             f"checkpoints do not need them)") from e

@@ -109,8 +109,6 @@ class ShardedHostStore(LayoutQueries):
                 for section in (tile.master, tile.exp_avg, tile.exp_avg_sq, tile.grad):
                     section[spec.valid:].zero_()  # the padding is gathered and updated like the rest: zero
                 self.tiles[name] = tile
-            if tier is not None:
-                tier.seal()
 
     @classmethod
     def from_full(cls, store: HostStore, rank: int, world: int, *, cpu_group=None) -> "ShardedHostStore":

@@ -280,8 +280,6 @@ class HostStore(LayoutQueries):
         if allocate:
             for name, layout in self.layouts.items():
                 self.tiles[name] = allocate_tile(name, layout, compute_dtype, self.master_dtype, moments, tier)
-            if tier is not None:
-                tier.seal()
 
     def host_bytes(self) -> int:
         """Bytes of the tiles in host memory (what the disk tier holds is not counted: disk_bytes)."""

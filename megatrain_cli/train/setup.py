@@ -72,7 +72,7 @@ def build_store(r: Recipe, config, dist=None, disk_state: str | None = None):
         return build_sharded_store(config, dtype, dist.rank, dist.world, weights_path=r.model.path,
                                    seed=r.model.seed, cpu_group=dist.cpu_group, master_dtype=master,
                                    moments=r.train.optimizer_state, tier=tier)
-    except BaseException as err:  # a full disk, a bad weights file: no tier folder or threads left behind
+    except BaseException as err:  # a full disk, a bad weights file: no tier threads or descriptors left behind
         if tier is not None:
             tier.close()
         if isinstance(err, TierError):
