@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatrain_cli.models.loader import build_store
-from megatrain_cli.optim.host_adamw import lr_at
+from megatrain_cli.optim.host_adamw import HostAdamW, lr_at
 from megatrain_cli.recipe import TrainConfig
 from tests.engines import make_engine
 from tests.reference import random_batches, tiny_config
