@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from megatrain_cli.eval.decode_attention import use_decode_attention
 from megatrain_cli.eval.generate import stopping_rules
 
 # Config keys of a mixture-of-experts layer: HF routes tokens to experts with data-dependent shapes (nonzero,
@@ -74,6 +75,10 @@ class StaticDecoder:
         # Every layer's weights, read in place: the addresses a graph holds for the whole call.
         self.weights = [model.feed.get(i) for i in range(model.num_layers)]
         model.feed.release()
+        # Templates of our own, whose one-token attention reads grouped key heads in place (decode_attention.py)
+        self.templates = model.make_templates()
+        for template in set(self.templates):
+            use_decode_attention(template)
 
     def decode_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_new_tokens: int,
                      eos_ids: list[int], pad_id: int, stop_criteria: list, pick) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +101,7 @@ class StaticDecoder:
         hidden = m._embed(input_ids)
         masks, rotary = m.masks(key_mask, 0, width, padded), m.rotary_tables(hidden, positions)
         for i in range(m.num_layers):
-            hidden = m.run_layer(i, self.weights[i], hidden, masks, positions, rotary, caches[i])
+            hidden = m.run_layer(i, self.weights[i], hidden, masks, positions, rotary, caches[i], self.templates)
         logits = m.head(hidden[:, -1:])[:, -1]
         m.steps += 1
         step_in = positions[:, -1:].clone()  # fixed buffers of the token steps: positions, the written column,
@@ -128,7 +133,7 @@ class StaticDecoder:
         m = self.m
         rotary = m.rotary_tables(hidden, positions)
         for i in range(m.num_layers):
-            hidden = m.run_layer(i, self.weights[i], hidden, masks, positions, rotary, caches[i])
+            hidden = m.run_layer(i, self.weights[i], hidden, masks, positions, rotary, caches[i], self.templates)
         return m.head(hidden)[:, -1]
 
     def _capture(self, hidden, positions, masks, caches):

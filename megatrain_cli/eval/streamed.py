@@ -106,11 +106,7 @@ class StreamedModel:
         self.dtype = store.compute_dtype
         self.num_layers = self.adapter.num_layers
         self.feed = feed if feed is not None else layer_feed(store, device, self.dtype, pin_all)
-        # One template per layer structure: layers run one after another, each bound to its own weights.
-        by_structure: dict[str, torch.nn.Module] = {}
-        for i in range(self.num_layers):
-            by_structure.setdefault(self.adapter.layer_structure(i), self.adapter.make_layer_template(i).eval())
-        self.templates = [by_structure[self.adapter.layer_structure(i)] for i in range(self.num_layers)]
+        self.templates = self.make_templates()
         self.windows = [sliding_window(self.adapter, i) for i in range(self.num_layers)]
         # HF's eager attention (Gemma 2's softcapped one) adds its mask to the scores and applies none when given
         # none: it takes an additive mask, always built (SDPA takes the boolean one, or none where causal)
@@ -130,6 +126,13 @@ class StreamedModel:
         self.lm_weight = (self.embedding if self.adapter.tied else head["lm_head.weight"]).to(device, self.dtype)
         self.steps = 0  # forward steps run (each streamed every layer once)
         self.decode_path = ""  # how the last decode_batch ran: "graph", or "eager (why not a graph)"
+
+    def make_templates(self) -> list[torch.nn.Module]:
+        """One template per layer structure: layers run one after another, each bound to its own weights."""
+        by_structure: dict[str, torch.nn.Module] = {}
+        for i in range(self.num_layers):
+            by_structure.setdefault(self.adapter.layer_structure(i), self.adapter.make_layer_template(i).eval())
+        return [by_structure[self.adapter.layer_structure(i)] for i in range(self.num_layers)]
 
     @property
     def bytes_sent(self) -> int:
@@ -217,8 +220,9 @@ class StreamedModel:
             return {t: self.rotary(hidden, positions, t) for t in set(self.adapter.layer_types)}
         return dict.fromkeys(set(self.adapter.layer_types), self.rotary(hidden, positions))
 
-    def run_layer(self, i: int, weights, hidden, masks, positions, rotary, cache):
-        return run_bound(self.templates[i], weights, hidden, attention_mask=masks[self.windows[i]],
+    def run_layer(self, i: int, weights, hidden, masks, positions, rotary, cache, templates=None):
+        """Layer i on `weights` (through `templates`, default this model's)."""
+        return run_bound((templates or self.templates)[i], weights, hidden, attention_mask=masks[self.windows[i]],
                          position_ids=positions, position_embeddings=rotary[self.adapter.layer_types[i]],
                          **{self.cache_arg: cache})
 

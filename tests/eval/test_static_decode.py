@@ -129,3 +129,36 @@ def test_cuda_graph_replays_decode_what_eager_decodes(arch):
             assert graphed.decode_path == "graph" and eager.decode_path.startswith("eager (")
             assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
     assert graphed.steps == eager.steps  # a forward per token, the capture not counted
+
+
+def test_one_token_attention_reads_grouped_heads_as_sdpa_over_repeated_ones():
+    from megatrain_cli.eval.decode_attention import grouped_decode
+
+    g = torch.Generator().manual_seed(0)
+    b, h, hkv, t, d = 3, 8, 2, 11, 16
+    q, k, v = (torch.randn(b, n, s, d, generator=g) for n, s in ((h, 1), (hkv, t), (hkv, t)))
+    mask = torch.rand(b, 1, 1, t, generator=g) < 0.7
+    mask[:, :, :, 0] = True  # every row sees a key
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(h // hkv, 1), v.repeat_interleave(h // hkv, 1), attn_mask=mask, scale=0.3)
+    got = grouped_decode(q, k, v, mask, 0.3)
+    assert got.shape == (b, 1, h, d)
+    torch.testing.assert_close(got, want.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    hidden = ~mask[:, :, 0, :, None]  # [B, 1, T, 1]: over every head and dim
+    noisy = torch.where(hidden, torch.full_like(v, 1e4), v)
+    assert torch.equal(grouped_decode(q, k, noisy, mask, 0.3), got)  # a masked column weighs exactly 0
+
+
+@pytest.mark.parametrize("arch,grouped", [("Qwen2ForCausalLM", True), ("gemma2", False)])
+def test_the_static_loop_routes_one_token_attention_to_the_grouped_kernel(arch, grouped, monkeypatch):
+    """Families on HF's SDPA take grouped_decode at every token step of every layer (not the prefill); Gemma 2's
+    softcapped eager attention keeps HF's own."""
+    from megatrain_cli.eval import decode_attention
+
+    calls = []
+    real = decode_attention.grouped_decode
+    monkeypatch.setattr(decode_attention, "grouped_decode", lambda *a: calls.append(a[0].shape) or real(*a))
+    store = store_of(arch)
+    model = StreamedModel(store, torch.device("cpu"))
+    decode(model, random_prompts(97), greedy, eos=-1, static=True)
+    assert len(calls) == (store.adapter.num_layers * (NEW - 1) if grouped else 0)
