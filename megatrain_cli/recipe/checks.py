@@ -117,9 +117,6 @@ def _check_train(r: Recipe, problems: list[str], for_training: bool) -> None:
         problems.append(f"store.disk_state: {r.store.disk_state} puts state on disk but store.disk is null; set "
                         "store.disk to a folder on a local disk, or store.disk_state=auto")
     _at_least(problems, "store.disk_in_flight", r.store.disk_in_flight, 1)
-    if t.master_rounding == "stochastic" and t.master_weights != "bf16":
-        problems.append("train.master_rounding: stochastic rounding is of bf16 master weights (fp32 masters store "
-                        "the update as it is); set train.master_weights=bf16 or train.master_rounding=nearest")
     if not 0.0 <= d.test_fraction < 1.0:
         problems.append(f"data.test_fraction: must be in [0, 1), got {d.test_fraction}")
     _at_least(problems, "data.num_proc", d.num_proc, 1)

@@ -32,9 +32,9 @@ STEPS, ACCUM = 3, 2
 BF16 = torch.bfloat16
 
 
-def _cfg(**kw) -> TrainConfig:
+def _cfg(**kw) -> TrainConfig:  # round to nearest: the reference here rounds so (stochastic: test_master_rounding)
     return TrainConfig(steps=STEPS, lr=2e-3, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=1, grad_accum=ACCUM,
-                       master_weights="bf16", **kw)
+                       master_weights="bf16", master_rounding="nearest", **kw)
 
 
 def _setup(master=BF16):
@@ -198,7 +198,7 @@ def test_torch_and_cpp_kernels_agree_bit_for_bit_with_bf16_masters():
     a.exp_avg_sq.copy_(torch.rand(a.numel, generator=gen) * 1e-5)
     for src, dst in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
         dst.copy_(src)
-    cfg = TrainConfig(steps=1, weight_decay=0.1, master_weights="bf16")
+    cfg = TrainConfig(steps=1, weight_decay=0.1, master_weights="bf16", master_rounding="nearest")
     torch_opt, cpp_opt = HostAdamW(cfg, kernel="torch"), HostAdamW(cfg, kernel="cpp", defer_moments=True)
     out = torch.empty(b.numel, dtype=BF16)
     for step, clip in enumerate((1.0, 0.37, 1.0, 0.05)):
@@ -242,7 +242,8 @@ def _train_tiny(out: Path, master: str, steps: int) -> list[float]:
     from megatrain_cli.train.loop import run_training
 
     r = load_recipe(ROOT / "recipes" / "tiny.yaml", [
-        "model.dtype=bf16", f"train.master_weights={master}", f"train.steps={steps}", "train.seq_len=64",
+        "model.dtype=bf16", f"train.master_weights={master}", "train.master_rounding=nearest", f"train.steps={steps}",
+        "train.seq_len=64",
         "train.micro_batch_size=4", "train.warmup_steps=2", "logging.dashboard=plain", "logging.every_n_steps=1",
         "checkpoint.every_n_steps=null", "checkpoint.export_final=false", "eval.enabled=false", f"output_dir={out}"])
     assert run_training(r) == 0
