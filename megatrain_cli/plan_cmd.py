@@ -151,6 +151,11 @@ def probe_lines(m: MachineFigures, probe: Probe) -> list[str]:
              f"({m.host_gbps_at(0.0):.0f} GB/s), under DMA {g(m.adamw_under_dma_params_per_s, 'G params/s', 1e-9, '.2f')}; "
              f"update on read {g(m.emit_params_per_s, 'G params/s', 1e-9, '.2f')}; "
              f"cast fp32 -> bf16 {g(m.cast_elems_per_s, 'G elements/s', 1e-9, '.2f')}",
+             "  host AdamW over coded moments: " + ", ".join(
+                 f"{k} {g(v, 'G params/s', 1e-9, '.2f')} (under DMA "
+                 f"{g(m.state_under_dma_params_per_s.get(k), 'G params/s', 1e-9, '.2f')})"
+                 for k, v in sorted(m.state_params_per_s.items())) if m.state_params_per_s else
+             "  host AdamW over coded moments: not measured (priced by their bytes)",
              f"  bf16 GEMM {g(m.gemm_tflops, 'TFLOP/s', 1.0, '.0f')}, device memory {g(m.device_gbps, 'GB/s', 1.0, '.0f')}"]
     if probe.layer is not None:
         lt = probe.layer

@@ -93,6 +93,25 @@ def test_a_clipped_step_waits_for_the_host_update_in_the_forward():
     assert free.phases["forward"] == pytest.approx(MODEL.num_layers * LAYER.forward_s * 2)  # GPU-bound
 
 
+def test_coded_moments_are_priced_at_their_own_measured_rate():
+    """bf16 / int8 moments update in one pass whose coding is arithmetic: its probed params/s price it (the
+    session-14 7B int8 step ran 2.3x the bytes-based prediction); a probe without that rate falls back to bytes."""
+    shape = dataclasses.replace(SHAPE, moments="int8")
+    host_bound = dataclasses.replace(FIG, adamw_params_per_s=1e9, adamw_under_dma_params_per_s=1e9)  # 26 GB/s
+
+    def forward(rate):
+        fig = host_bound if rate is None else dataclasses.replace(
+            host_bound, state_params_per_s={"int8": rate}, state_under_dma_params_per_s={"int8": rate})
+        return predict(fig, LAYER, MODEL, shape, Candidate(4, 0, 0)).phases["forward"]
+
+    layer_params, cast = MODEL.layer_params, MODEL.layer_params / FIG.cast_elems_per_s
+    assert forward(1e9) == pytest.approx(MODEL.num_layers * (layer_params / 1e9 + cast))  # each layer waits for it
+    assert forward(1e9) - forward(2e9) == pytest.approx(MODEL.num_layers * layer_params * (1 / 1e9 - 1 / 2e9))
+    by_bytes = 26e9 / pr.state_update_bytes("int8")  # params/s of 18 bytes each at the fp32 pass's 26 GB/s
+    assert forward(None) == pytest.approx(forward(by_bytes))  # no rate: its bytes, as before
+    assert forward(None) < forward(1e9)
+
+
 def test_unknown_gpu_parts_leave_a_lower_bound():
     cpu_machine = MachineFigures(host="h", gpu=None, torch="t", adamw_params_per_s=1e9, cast_elems_per_s=1e9)
     p = predict(cpu_machine, None, MODEL, SHAPE, Candidate(4, 0, 0))
@@ -120,6 +139,8 @@ def test_probe_cache_is_written_reused_and_remeasured(tmp_path, monkeypatch):
     assert first.measured == ["machine"] and first.path.parent == tmp_path and first.path.is_file()
     assert first.path.name == f"{pb.cache_key()}.json"
     assert first.machine.adamw_params_per_s > 0 and first.machine.cast_elems_per_s > 0
+    assert sorted(first.machine.state_params_per_s) == ["bf16", "int8"]
+    assert all(v > 0 for v in first.machine.state_params_per_s.values())
     if not torch.cuda.is_available():
         assert first.machine.gpu is None and first.machine.h2d_gbps is None and "gemm_tflops" in first.machine.unknown()
     again = pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL)

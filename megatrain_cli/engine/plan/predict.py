@@ -105,7 +105,8 @@ class StepShape:
 
 def state_update_bytes(moments: str) -> float:
     """Host traffic per parameter of the one-pass update over bf16 / int8 moments (adamw_state.cpp): read p, m,
-    v, g, write p, m, v (fp32 masters, bf16 gradients). Bytes only: the coding's arithmetic is not in the probe."""
+    v, g, write p, m, v (fp32 masters, bf16 gradients). Used where the probe has no rate of the pass itself
+    (MachineFigures.state_at): bytes alone miss the coding's arithmetic."""
     return 4 + 2 + 4 + 2 * moment_bytes_per_param(moments)
 
 
@@ -206,6 +207,12 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     def host(params: float, nbytes: float, u: float) -> float:
         return params * nbytes / (fig.host_gbps_at(u) * 1e9)
 
+    def coded_s(params: float, u: float) -> float:
+        """The one-pass update (bf16 / int8 moments: at its own probed rate; fp32 moments under a disk tier, or a
+        probe from before the rate was measured: by its bytes)."""
+        rate = fig.state_at(shape.moments, u)
+        return params / rate if rate else host(params, state_update_bytes(shape.moments), u)
+
     def cast_s(u: float) -> float:  # one streamed layer's cast, slowed as the AdamW pass is
         return P / (fig.cast_elems_per_s * fig.host_gbps_at(u) * 1e9 / alone) if alone else 0.0
 
@@ -213,7 +220,7 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     # no speculation, no split passes: the forward waits for whole updates
     coded = shape.moments != "fp32" or shape.disk
     if worker and coded:
-        prep = host(P, state_update_bytes(shape.moments), u_fwd) + cast_s(u_fwd)
+        prep = coded_s(P, u_fwd) + cast_s(u_fwd)
     elif worker and shape.clipped and shape.update_on_read:
         emit = fig.emit_at(u_fwd)
         prep = P / emit if emit else host(P, EMIT_B, u_fwd)
@@ -239,11 +246,11 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     if gpu_bwd is not None and bwd_pcie is not None:
         backward = max(gpu_bwd, bwd_pcie, bwd_host) if cuda else gpu_bwd + bwd_host
     if worker:  # the embedding's update: its rows are gathered on the host before the next forward starts
-        serial = host(model.embed_params, state_update_bytes(shape.moments) if coded else
-                      WEIGHTS_B if shape.clipped else UPDATE_B, 0.0)
+        serial = coded_s(model.embed_params, 0.0) if coded else \
+            host(model.embed_params, WEIGHTS_B if shape.clipped else UPDATE_B, 0.0)
     else:  # every update after the backward, nothing to overlap it
-        serial = host(S * P + head + model.embed_params,
-                      state_update_bytes(shape.moments) if coded else UPDATE_B, 0.0)
+        serial = coded_s(S * P + head + model.embed_params, 0.0) if coded else \
+            host(S * P + head + model.embed_params, UPDATE_B, 0.0)
 
     phases = {"forward": forward, "head": head_phase, "backward": backward, "serial": serial}
     gpu = None if f is None or gpu_head is None or gpu_bwd is None else \

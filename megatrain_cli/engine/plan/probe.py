@@ -39,11 +39,12 @@ from typing import Callable
 
 import torch
 
-CACHE_VERSION = 2  # 2: layer timings measured through the engine (recorded forward, head, fixed)
+CACHE_VERSION = 3  # 2: layer timings measured through the engine (recorded forward, head, fixed); 3: coded states' rates
 # Bytes of host memory traffic per parameter of the measured HostAdamW.update (optim/adamw_cpp.py: the C++
 # pass reads p, m, v and a bf16 g and writes p, m, v; the torch path also widens g through fp32 scratch).
 UPDATE_BYTES = {"cpp": 26.0, "torch": 34.0}
 HOST_WARMUP = 5  # untimed passes before each host figure
+CODED = ("bf16", "int8")  # train.optimizer_state values whose update pass is timed on its own
 
 
 @dataclass
@@ -79,6 +80,9 @@ class MachineFigures:
     # kernel only: the packer's work on a tile after a clipped step; None where the kernel is torch's
     emit_params_per_s: float | None = None
     emit_under_dma_params_per_s: float | None = None
+    # the one-pass update over bf16 / int8 moments (adamw_state.cpp), by train.optimizer_state: alone, under DMA
+    state_params_per_s: dict = field(default_factory=dict)
+    state_under_dma_params_per_s: dict = field(default_factory=dict)
     cast_elems_per_s: float = 0.0  # fp32 -> bf16 into pinned (pageable without CUDA)
     gemm_tflops: float | None = None
     device_gbps: float | None = None  # device memory: bytes read + written per second by a D2D copy
@@ -99,6 +103,12 @@ class MachineFigures:
         """Params/s of update on read with the DMA engines busy `link_busy` of the time (None: not measured)."""
         return _between(self.emit_params_per_s, self.emit_under_dma_params_per_s, link_busy) \
             if self.emit_params_per_s else None
+
+    def state_at(self, moments: str, link_busy: float) -> float | None:
+        """Params/s of the one-pass update over `moments` (bf16 / int8) with the DMA engines busy `link_busy` of
+        the time; None where not measured (then priced by its bytes)."""
+        alone = self.state_params_per_s.get(moments)
+        return _between(alone, self.state_under_dma_params_per_s.get(moments), link_busy) if alone else None
 
     def unknown(self) -> list[str]:
         return [k for k in ("h2d_gbps", "d2h_gbps", "duplex_gbps", "gemm_tflops", "device_gbps")
@@ -172,16 +182,18 @@ def _timed(fn: Callable[[], object], *, reps: int, warmup: int = 1, cuda: bool =
     return statistics.median(times)
 
 
-def _host_tile(params: int):
+def _host_tile(params: int, moments: str = "fp32"):
     """One layer-like tile of `params` parameters (bf16 gradients), filled so AdamW does real math."""
     from megatrain_cli.store.tiles import ParamSpec, TileLayout, allocate_tile
 
     cols = 4096
     spec = ParamSpec("w", (max(1, params // cols), cols))
-    tile = allocate_tile("layers.0", TileLayout.from_specs([spec]), torch.bfloat16)
+    tile = allocate_tile("layers.0", TileLayout.from_specs([spec]), torch.bfloat16, torch.float32, moments)
     tile.master.normal_(0, 0.02)
-    tile.exp_avg.zero_()
-    tile.exp_avg_sq.fill_(1e-6)
+    for state in (tile.exp_avg, tile.exp_avg_sq, tile.exp_avg_exp, tile.exp_avg_sq_exp):
+        state.zero_()  # coded moments: zero codes and exponents (a zero moment); fp32: zero, then v below
+    if moments == "fp32":
+        tile.exp_avg_sq.fill_(1e-6)
     tile.grad.normal_(0, 1e-3)
     return tile
 
@@ -242,6 +254,14 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
     # timed after HOST_WARMUP passes, as a training run's steady state sees them.
     fig.adamw_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps, warmup=HOST_WARMUP)
 
+    # The one-pass update over coded moments decodes, updates and codes again with stochastic rounding: arithmetic
+    # more than bandwidth, so it is timed itself, not priced by its bytes at the fp32 pass's GB/s (a 7B step
+    # with int8 moments was predicted 3.12 s and measured 7.06: docs/benchmarks.md, session 14).
+    coded = {m: (_host_tile(params, m), HostAdamW(TrainConfig(optimizer_state=m), kernel="auto")) for m in CODED}
+    for m, (t, o) in coded.items():
+        say(f"probe: host AdamW over {m} moments")
+        fig.state_params_per_s[m] = t.numel / _timed(lambda: o.update(t, 1e-5), reps=reps, warmup=HOST_WARMUP)
+
     src = tile.master
     dst = torch.empty(src.numel(), dtype=torch.bfloat16, pin_memory=cuda)
     emit = None
@@ -266,6 +286,8 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
             fig.adamw_under_dma_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps)
             if emit is not None:
                 fig.emit_under_dma_params_per_s = tile.numel / _timed(emit, reps=reps)
+            for m, (t, o) in coded.items():
+                fig.state_under_dma_params_per_s[m] = t.numel / _timed(lambda: o.update(t, 1e-5), reps=reps)
         del dma
         say(f"probe: bf16 GEMM {gemm_n}^3, device memory")
         a = torch.randn(gemm_n, gemm_n, device="cuda", dtype=torch.bfloat16)
