@@ -57,7 +57,10 @@ class Sampler:
             before = sorted_p.cumsum(-1) - sorted_p  # the mass of the more probable tokens
             sorted_p = torch.where(before < self.top_p, sorted_p, torch.zeros((), device=probs.device))
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        # The exponential race torch.multinomial runs for one draw (argmax of p / Exp(1)): the same draws from the
+        # same generator state, without multinomial's two .item() checks of its input (two host syncs a token).
+        race = torch.empty_like(probs).exponential_(1, generator=self.generator)
+        return (probs / race).argmax(-1)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

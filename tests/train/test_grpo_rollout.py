@@ -252,3 +252,23 @@ def test_the_first_rollout_loads_the_resident_layers_before_any_step():
         engine.close()
     assert results[0] == results[2]
     assert all(torch.equal(a, b) for a, b in zip(results[1], results[3]))
+
+
+def test_the_sampler_draws_what_multinomial_draws_from_the_same_state():
+    """Sampler's exponential race (no host syncs) is torch.multinomial's one-draw algorithm: the same ids and the
+    same generator state after, so checkpoints written before it resume to the same draws."""
+    logits = torch.randn(64, 500, generator=torch.Generator().manual_seed(0)) * 3
+    logits[:, :50] = -math.inf  # tokens top-p or a mask left out: never drawn
+    for top_p in (1.0, 0.8):
+        ours = Sampler(0.7, top_p, torch.Generator().manual_seed(9))
+        theirs = torch.Generator().manual_seed(9)
+        for _ in range(3):
+            got = ours(logits)
+            probs = torch.softmax(logits / 0.7, dim=-1)
+            if top_p < 1:
+                sorted_p, order = probs.sort(dim=-1, descending=True)
+                kept = torch.where(sorted_p.cumsum(-1) - sorted_p < top_p, sorted_p, torch.zeros(()))
+                probs = torch.zeros_like(probs).scatter_(-1, order, kept)
+            assert torch.equal(got, torch.multinomial(probs, 1, generator=theirs)[:, 0])
+            assert (got >= 50).all()
+        assert torch.equal(ours.generator.get_state(), theirs.get_state())
