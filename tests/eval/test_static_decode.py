@@ -162,3 +162,23 @@ def test_the_static_loop_routes_one_token_attention_to_the_grouped_kernel(arch, 
     model = StreamedModel(store, torch.device("cpu"))
     decode(model, random_prompts(97), greedy, eos=-1, static=True)
     assert len(calls) == (store.adapter.num_layers * (NEW - 1) if grouped else 0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_grouped_one_token_attention_matches_sdpa_in_bf16():
+    """On the GPU in bf16 at a 7B layer's head layout (28 query heads over 4 key heads, 128 dims): the grouped
+    kernel agrees with SDPA over repeated heads to bf16 rounding (its scores are rounded to bf16 as HF's eager
+    attention rounds them; SDPA keeps them in fp32)."""
+    from megatrain_cli.eval.decode_attention import grouped_decode
+
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v = (torch.randn(8, n, s, 128, generator=g, device="cuda", dtype=torch.bfloat16)
+               for n, s in ((28, 1), (4, 300), (4, 300)))
+    mask = torch.ones(8, 1, 1, 300, dtype=torch.bool, device="cuda")
+    mask[:, :, :, 200:] = False  # columns not written yet
+    mask[0, :, :, :30] = False  # a left-padded row
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(7, 1), v.repeat_interleave(7, 1), attn_mask=mask, scale=128 ** -0.5).transpose(1, 2)
+    got = grouped_decode(q, k, v, mask, 128 ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.02)
