@@ -15,32 +15,12 @@ from unittest import mock
 import torch
 
 
-class ResidentFeed:
-    """Every layer's compute-dtype weights on the device, read in place (TrainerLayerFeed when all are resident)."""
-
-    def __init__(self, store, device):
-        self.layers = [store.layouts[n].views(store.tiles[n].master.to(device, store.compute_dtype))
-                       for n in store.layer_names]
-        self.bytes_sent = 0
-
-    def all_in_place(self):
-        return True
-
-    def get(self, i):
-        return self.layers[i]
-
-    def prefetch(self, i):
-        pass
-
-    def release(self):
-        pass
-
-
 def main() -> None:
-    from megatrain_cli.bench.settings import bench_model_config, bench_recipe
+    from megatrain_cli.bench.runner import build, plan_bench
+    from megatrain_cli.bench.settings import bench_recipe
     from megatrain_cli.eval import streamed
     from megatrain_cli.eval.generate import greedy
-    from megatrain_cli.models.loader import build_store
+    from megatrain_cli.train.rollout import TrainerLayerFeed
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="7b")
@@ -53,9 +33,12 @@ def main() -> None:
     cuda = torch.device(a.device)
     if cuda.type == "cpu":
         torch.cuda.synchronize = lambda: None
-    config = bench_model_config(bench_recipe([f"model.preset={a.preset}"]), a.layers)
-    store = build_store(config, torch.bfloat16, seed=0)
-    model = streamed.StreamedModel(store, cuda, feed=ResidentFeed(store, cuda))
+    # The trainer's own engine and feed: the planner keeps the few layers resident on a GPU, as GRPO reads them.
+    r = bench_recipe([f"model.preset={a.preset}", f"engine.device={a.device}", "logging.dashboard=off"])
+    built = build(plan_bench(r, a.layers, log=lambda *_: None), log=lambda *_: None)
+    feed = TrainerLayerFeed(built.engine, cuda)
+    model = streamed.StreamedModel(built.store, cuda, feed=feed, head=feed.head())
+    config = built.store.adapter.config
     ids = torch.randint(1, config.vocab_size, (a.batch, a.prompt))
     mask = torch.ones_like(ids)
     kw = dict(max_new_tokens=a.new, eos_ids=[], pad_id=0, stop_criteria=[], pick=greedy)
