@@ -63,14 +63,6 @@ def main() -> None:
     global RUN
     RUN = (model, ids, mask, kw)
     stepwise(model, ids, mask, kw, "graph")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    for backend in (SDPBackend.MATH, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
-        try:
-            with sdpa_kernel(backend):
-                stepwise(model, ids, mask, kw, f"graph, {backend.name}")
-        except RuntimeError as e:
-            print(f"graph, {backend.name}: {str(e).splitlines()[0][:150]}")
     graph = timed("graph")
     with mock.patch.object(streamed, "why_not_graph", lambda m: "forced"):
         eager = timed("eager")

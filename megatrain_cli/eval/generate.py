@@ -48,19 +48,30 @@ class Sampler:
         if temperature <= 0 or not 0 < top_p <= 1:
             raise ValueError(f"sampling needs temperature > 0 and top_p in (0, 1], got {temperature}, {top_p}")
         self.temperature, self.top_p, self.generator = temperature, top_p, generator
+        self._nan: torch.Tensor | None = None  # on the logits' device: a NaN row seen since the last `took_nan`
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """[B, V] logits -> [B] sampled ids."""
         probs = torch.softmax(logits.float() / self.temperature, dim=-1)
+        # NaN or +inf logits (a diverged policy) give NaN probabilities, which the race below would turn into a token:
+        # flagged on the device, read once a rollout (`took_nan`), not with a sync a token.
+        nan = probs.isnan().any()
+        self._nan = nan if self._nan is None else self._nan | nan
         if self.top_p < 1.0:
             sorted_p, order = probs.sort(dim=-1, descending=True)
             before = sorted_p.cumsum(-1) - sorted_p  # the mass of the more probable tokens
             sorted_p = torch.where(before < self.top_p, sorted_p, torch.zeros((), device=probs.device))
             probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
         # The exponential race torch.multinomial runs for one draw (argmax of p / Exp(1)): the same draws from the
-        # same generator state, without multinomial's two .item() checks of its input (two host syncs a token).
+        # same generator state, without multinomial's checks of its input (host reads in some torch versions).
         race = torch.empty_like(probs).exponential_(1, generator=self.generator)
         return (probs / race).argmax(-1)
+
+
+    def took_nan(self) -> bool:
+        """Whether any row's logits were NaN or +inf since the last call (one host read)."""
+        nan, self._nan = self._nan, None
+        return nan is not None and bool(nan)
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,11 @@ from megatrain_cli.eval.generate import stopping_rules
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
 
+# A store whose capture failed once (keyed by id: one store per run) decodes eagerly for the rest of the run: a
+# failed capture costs a step's time and may leave its memory pool behind, so it is not tried at every rollout.
+_CAPTURE_FAILED: dict[int, str] = {}
+
+
 def why_not_graph(model) -> str | None:
     """None when `model` (a StreamedModel) can decode through a CUDA graph, else the reason it cannot."""
     if model.device.type != "cuda":
@@ -40,8 +45,15 @@ def why_not_graph(model) -> str | None:
     all_in_place = getattr(model.feed, "all_in_place", None)
     if all_in_place is None or not all_in_place():
         return "some layers stream from host memory"
-    if any(getattr(model.adapter.config, k, None) for k in _EXPERT_KEYS):
+    text = model.adapter.text_config  # a VLM's decoder: its own config
+    if any(getattr(text, k, None) for k in _EXPERT_KEYS):
         return "mixture-of-experts layers route with data-dependent shapes"
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    kind = str(rope.get("rope_type", rope.get("type", ""))) if isinstance(rope, dict) else ""
+    if "dynamic" in kind or kind == "longrope":
+        return f"its {kind} RoPE picks its tables by the largest position, read on the host"
+    if id(model.store) in _CAPTURE_FAILED:
+        return f"the CUDA graph capture failed earlier in this run: {_CAPTURE_FAILED[id(model.store)]}"
     return None
 
 
@@ -91,15 +103,15 @@ class StaticDecoder:
         key_mask = torch.ones((batch, capacity), dtype=torch.bool, device=dev)
         key_mask[:, :width] = attention_mask.to(dev, torch.bool)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0).to(dev)
-        padded = not bool(attention_mask.all())
         sequences = input_ids.clone()  # the host copy the stop rules read
         unfinished = torch.ones(batch, dtype=torch.bool)
         lengths = torch.zeros(batch, dtype=torch.int64)
         pad = torch.full((batch,), pad_id, dtype=torch.int64)
 
-        # The prefill, eagerly: the whole capacity's masks (columns past the prompt are later ones: unseen).
+        # The prefill, eagerly, over the whole capacity: its masks always built (the columns past the prompt are
+        # not written yet; with no mask one-token prompts would attend to them).
         hidden = m._embed(input_ids)
-        masks, rotary = m.masks(key_mask, 0, width, padded), m.rotary_tables(hidden, positions)
+        masks, rotary = m.masks(key_mask, 0, width, True), m.rotary_tables(hidden, positions)
         for i in range(m.num_layers):
             hidden = m.run_layer(i, self.weights[i], hidden, masks, positions, rotary, caches[i], self.templates)
         logits = m.head(hidden[:, -1:])[:, -1]
@@ -142,17 +154,31 @@ class StaticDecoder:
         eager = lambda: self._step(hidden, positions, masks, caches)  # noqa: E731
         if not self.graph:
             return eager
-        side = torch.cuda.Stream(self.m.device)
-        side.wait_stream(torch.cuda.current_stream(self.m.device))
+        dev = self.m.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        graph, failure = torch.cuda.CUDAGraph(), None
         with torch.cuda.stream(side):
             self._step(hidden, positions, masks, caches)  # lazy inits (cuBLAS workspaces) outside the capture
-        torch.cuda.current_stream(self.m.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
+            # Captured by hand, not under torch.cuda.graph: that context empties the allocator's caches on entry (the
+            # trainer's cached blocks, at every rollout), and when the body raises its capture_end raises in turn
+            # before the stream is switched back.
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
                 logits = self._step(hidden, positions, masks, caches)
-        except RuntimeError as e:  # an op that syncs or sizes by data: this call decodes eagerly, and says why
-            self.m.decode_path = f"eager (the CUDA graph capture failed: {str(e).splitlines()[0]})"
+            except RuntimeError as e:  # an op that syncs or sizes by data
+                failure = e
+            finally:
+                try:
+                    graph.capture_end()
+                except RuntimeError as e:
+                    failure = failure or e
+        torch.cuda.current_stream(dev).wait_stream(side)
+        if failure is not None:
+            torch.cuda.synchronize(dev)
+            reason = str(failure).splitlines()[0]
+            _CAPTURE_FAILED[id(self.m.store)] = reason
+            self.m.decode_path = f"eager (the CUDA graph capture failed: {reason}; not tried again this run)"
             return eager
 
         def replay() -> torch.Tensor:

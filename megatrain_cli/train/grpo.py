@@ -113,6 +113,9 @@ class GRPORun:
         rollouts = sample(b["store"], b["device"], b["tokenizer"], [p.ids for p in picked], g.num_generations,
                           b["sampler"], max_new_tokens=g.max_new_tokens, eos_ids=b["eos"], pad_id=b["pad"],
                           stop=b["stop"], engine=b["engine"])
+        if b["sampler"].took_nan():
+            raise TrainingError("grpo: the policy's logits were NaN or infinite while sampling rollouts (training "
+                                "diverged): resume from an earlier checkpoint with a lower train.lr", 1)
         if rollouts.decode_path != self.bound.get("decode_path"):  # said at the first rollout and on a change
             self.bound["decode_path"] = rollouts.decode_path
             self.log(f"grpo: rollouts decode {rollouts.decode_path}")

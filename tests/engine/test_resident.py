@@ -62,15 +62,18 @@ def test_resident_layers_match_plain_hf_and_adamw(resident, tied):
     assert all(f"layers.{i}" in counted for i in range(resident, 4))
 
 
-@pytest.mark.parametrize("dtype,master", [(torch.float32, None), (torch.bfloat16, None),
-                                          (torch.bfloat16, torch.bfloat16)])
-def test_resident_run_is_bit_identical_to_the_streamed_one_on_cpu(dtype, master):
+@pytest.mark.parametrize("dtype,master,rounding", [
+    (torch.float32, None, "stochastic"), (torch.bfloat16, None, "stochastic"),
+    (torch.bfloat16, torch.bfloat16, "nearest"), (torch.bfloat16, torch.bfloat16, "stochastic")])
+def test_resident_run_is_bit_identical_to_the_streamed_one_on_cpu(dtype, master, rounding):
     """The same arithmetic as the host kernel: fused AdamW, the gradient rounded to the tile's gradient
     dtype first (bf16 here as the D2H path rounds it), the same decay ranges, clip and bias corrections;
-    bf16 masters (train.master_weights) widened, updated in fp32 and rounded to nearest even."""
+    bf16 masters (train.master_weights) widened, updated in fp32 and rounded to nearest even or stochastically
+    (train.master_rounding, the default; fp32 masters take neither)."""
     stores, losses = [], []
     for resident in (0, 3):
         _, store, cfg, batches = setup(dtype, master=master)
+        cfg = dataclasses.replace(cfg, master_rounding=rounding)
         _, results = run(store, cfg, batches, resident)
         stores.append(store)
         losses.append([r.losses for r in results])

@@ -37,7 +37,7 @@ def decode(model, prompts, pick, eos: int, static: bool, stop=None, tok=None):
 
 
 @pytest.mark.parametrize("arch", ["Qwen2ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "gemma2"])
-@pytest.mark.parametrize("prompt_lengths", [(3, 11, 6, 1, 8), (5, 5)])  # left padded / none
+@pytest.mark.parametrize("prompt_lengths", [(3, 11, 6, 1, 8), (5, 5), (1, 1, 1)])  # left padded / none / one token
 def test_static_loop_decodes_what_the_eager_loop_decodes(arch, prompt_lengths):
     store = store_of(arch)
     model = StreamedModel(store, torch.device("cpu"))
@@ -98,7 +98,7 @@ class _ResidentFeed:
         pass
 
 
-def test_why_not_a_graph_is_said():
+def test_why_not_a_graph_is_said(monkeypatch):
     store = store_of("Qwen2ForCausalLM")
     assert why_not_graph(StreamedModel(store, torch.device("cpu"))) == "not on CUDA"
     model = StreamedModel(store, torch.device("cpu"), feed=_ResidentFeed(store, "cpu", torch.float32))
@@ -106,6 +106,17 @@ def test_why_not_a_graph_is_said():
     assert why_not_graph(model) is None
     model.feed.all_in_place = lambda: False
     assert why_not_graph(model) == "some layers stream from host memory"
+    model.feed.all_in_place = lambda: True
+    from megatrain_cli.eval import static_decode
+
+    monkeypatch.setitem(static_decode._CAPTURE_FAILED, id(store), "operation not permitted when stream is capturing")
+    assert why_not_graph(model) == ("the CUDA graph capture failed earlier in this run: operation not permitted "
+                                    "when stream is capturing")
+    long = build_store(tiny_config("Qwen2ForCausalLM", vocab=97, rope_parameters={
+        "rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}), torch.float32, seed=1)
+    model = StreamedModel(long, torch.device("cpu"), feed=_ResidentFeed(long, "cpu", torch.float32))
+    model.device = torch.device("cuda")
+    assert why_not_graph(model) == "its dynamic RoPE picks its tables by the largest position, read on the host"
     moe = build_store(tiny_config("qwen3_moe", vocab=97), torch.float32, seed=1)
     model = StreamedModel(moe, torch.device("cpu"), feed=_ResidentFeed(moe, "cpu", torch.float32))
     model.device = torch.device("cuda")
@@ -182,3 +193,33 @@ def test_cuda_grouped_one_token_attention_matches_sdpa_in_bf16():
         q, k.repeat_interleave(7, 1), v.repeat_interleave(7, 1), attn_mask=mask, scale=128 ** -0.5).transpose(1, 2)
     got = grouped_decode(q, k, v, mask, 128 ** -0.5)
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.02)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_a_failed_capture_decodes_eagerly_restores_the_stream_and_is_not_retried(monkeypatch):
+    from megatrain_cli.eval import static_decode
+
+    monkeypatch.setattr(static_decode, "_CAPTURE_FAILED", {})
+    real_step = StaticDecoder._step
+
+    def syncing_step(self, *args):  # a host read inside the step, as a RoPE that sizes itself by data does
+        out = real_step(self, *args)
+        if torch.cuda.is_current_stream_capturing():
+            out.sum().item()
+        return out
+
+    monkeypatch.setattr(StaticDecoder, "_step", syncing_step)
+    cuda = torch.device("cuda")
+    store = store_of("Qwen2ForCausalLM", layers=2)
+    prompts = random_prompts(97)
+    model = StreamedModel(store, cuda, feed=_ResidentFeed(store, cuda, torch.float32))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        want = decode(StreamedModel(store, cuda, pin_all=True), prompts, greedy, eos=96, static=False)
+        got = decode(model, prompts, greedy, eos=96, static=False)
+        assert model.decode_path.startswith("eager (the CUDA graph capture failed: ")
+        assert torch.cuda.current_stream() == torch.cuda.default_stream()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        again = decode(model, prompts, greedy, eos=96, static=False)
+        assert model.decode_path.startswith("eager (the CUDA graph capture failed earlier in this run: ")
+        assert torch.equal(again[0], want[0])

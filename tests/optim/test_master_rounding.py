@@ -15,7 +15,7 @@ import torch
 
 from megatrain_cli.optim import adamw_cpp
 from megatrain_cli.optim.host_adamw import HostAdamW, lr_at
-from megatrain_cli.recipe import RecipeError, TrainConfig, load_recipe
+from megatrain_cli.recipe import TrainConfig, load_recipe
 from megatrain_cli.store.moments import MASTER, sr_key
 from megatrain_cli.store.tiles import TileLayout, allocate_tile
 from tests.optim.test_state_precision import grads, ref_stochastic_bf16, ref_update
@@ -177,7 +177,7 @@ def test_small_updates_survive_on_average():
     step (2^-8 = 3.9e-3 just below 1), so round-to-nearest never moves it; stochastic rounding moves it by the
     right amount on average (100 steps: ~1e-2; within 20%)."""
     n, steps = 4096, 100
-    out, start = {}, torch.randn(4099, generator=torch.Generator().manual_seed(0))
+    out = {}
     for rounding in ("nearest", "stochastic"):
         tile = allocate_tile(NAME, TileLayout([], n, 0), BF16, BF16, "fp32")
         tile.master.fill_(0.99)
@@ -193,24 +193,35 @@ def test_small_updates_survive_on_average():
     assert out["stochastic"] == pytest.approx(steps * 1e-4, rel=0.2), out
 
 
-def test_fp32_masters_store_the_update_as_it_is_whatever_the_rounding():
-    """stochastic is the default (docs/precision.md's SmolLM2 runs); on fp32 masters it changes no byte."""
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
+@pytest.mark.parametrize("moments", ["fp32", "bf16", "int8"])
+def test_fp32_masters_store_the_update_as_it_is_whatever_the_rounding(kernel, moments):
+    """stochastic is the default (docs/precision.md's SmolLM2 runs); on fp32 masters it changes no byte of any
+    section, through either host kernel and every moment format (the resident update takes update_state, the torch
+    path's own function)."""
     from pathlib import Path
 
+    _cpp_or_skip(kernel)
     root = Path(__file__).resolve().parents[2]
     assert load_recipe(root / "recipes" / "tiny.yaml").train.master_rounding == "stochastic"
-    out, start = {}, torch.randn(4099, generator=torch.Generator().manual_seed(0))
+    n = 64 * 70 + 3
+    start, out = torch.randn(n, generator=torch.Generator().manual_seed(0)), {}
     for rounding in ("nearest", "stochastic"):
-        tile = allocate_tile("layers.0", TileLayout([], 4099, 2048), torch.bfloat16, torch.float32, "fp32")
+        tile = allocate_tile(NAME, TileLayout([], n, 2048), BF16, torch.float32, moments)
         tile.master.copy_(start)
-        tile.exp_avg.zero_()  # allocate_tile leaves the state unwritten
-        tile.exp_avg_sq.zero_()
+        for section in (tile.exp_avg, tile.exp_avg_sq, tile.exp_avg_exp, tile.exp_avg_sq_exp):
+            section.zero_()  # allocate_tile leaves the state unwritten
+        cfg = TrainConfig(**{**CFG, "master_weights": "fp32", "master_rounding": rounding, "optimizer_state": moments})
+        opt = HostAdamW(cfg, kernel=kernel, defer_moments=False)
+        gen = torch.Generator().manual_seed(1)
         for _ in range(3):
-            tile.grad.copy_(torch.randn(4099, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16))
-            HostAdamW(TrainConfig(**{**CFG, "master_weights": "fp32", "master_rounding": rounding}),
-                      kernel="cpp").update(tile, 1e-3)
-        out[rounding] = tile.master.clone()
-    assert torch.equal(out["nearest"], out["stochastic"]) and not torch.equal(out["nearest"], start)
+            tile.grad.copy_(torch.randn(n, generator=gen).to(BF16))
+            opt.update(tile, 1e-3)
+        out[rounding] = tile
+    a, b = out["nearest"], out["stochastic"]
+    for section in ("master", "exp_avg", "exp_avg_sq", "exp_avg_exp", "exp_avg_sq_exp"):
+        assert torch.equal(_bits(getattr(a, section)), _bits(getattr(b, section))), section
+    assert not torch.equal(a.master, start)
 
 
 @pytest.mark.cuda

@@ -272,3 +272,17 @@ def test_the_sampler_draws_what_multinomial_draws_from_the_same_state():
             assert torch.equal(got, torch.multinomial(probs, 1, generator=theirs)[:, 0])
             assert (got >= 50).all()
         assert torch.equal(ours.generator.get_state(), theirs.get_state())
+
+
+def test_nan_logits_are_flagged_once_a_rollout_not_turned_into_tokens_silently():
+    sampler = Sampler(1.0, 1.0, torch.Generator().manual_seed(0))
+    logits = torch.randn(4, 30)
+    logits[:, :3] = -math.inf  # masked tokens are fine
+    sampler(logits)
+    assert sampler.took_nan() is False
+    logits[2, 5] = math.nan
+    sampler(logits)
+    sampler(torch.randn(4, 30))
+    assert sampler.took_nan() is True and sampler.took_nan() is False  # read, then cleared
+    sampler(torch.full((1, 30), math.inf))
+    assert sampler.took_nan() is True
