@@ -35,7 +35,8 @@ REPLY, PAD_TAIL = 4, 5
 def _image_tensors(family: str, name: str) -> dict:
     from PIL import Image
 
-    processor = _clip_processor() if family in ("llava", "gemma3") else _pil_processor(16 if family == "qwen3_vl" else 14)
+    patch = 16 if family == "qwen3_vl" else 14
+    processor = _clip_processor() if family in ("llava", "gemma3") else _pil_processor(patch)
     out = processor(images=[Image.open(IMAGES / name).convert("RGB")], return_tensors="pt")
     return {k: v for k, v in out.items() if k in ("pixel_values", "image_grid_thw")}
 
@@ -110,7 +111,8 @@ def reference(family: str, store, config, exs):
 
 def engine_for(store):
     return make_engine(store, TrainConfig(steps=1, max_grad_norm=None), device="cpu", checkpoint_interval=1,
-                       loss_chunk_tokens=7, overlap_optimizer=False, frozen=store.adapter.vision.frozen_tiles(False, False))
+                       loss_chunk_tokens=7, overlap_optimizer=False,
+                       frozen=store.adapter.vision.frozen_tiles(False, False))
 
 
 def tile_grads(store) -> dict:
