@@ -1,5 +1,5 @@
-"""Training rows of chats with images: ids and loss mask from the model's processor, one example per row,
-each micro-batch handed its rows' images as the image processor's tensors (models/processor.py).
+"""Training rows of chats with images: ids and loss mask from the model's processor, packed or one example
+per row, each micro-batch handed its rows' images as the image processor's tensors (models/processor.py).
 
 An example is rendered into segments as a text chat is (turns.py: the chat template, the replies that
 carry loss), with each IMAGE placeholder written as the processor's image marker; a segment holding images
@@ -8,7 +8,11 @@ resolution, the image's own size kept within the processor's bounds), any other 
 supervised replies' tokens only; an image token never carries loss. Images are decoded again per
 micro-batch rather than held: a row's pixels cost memory only while its step runs.
 
-Rows are not packed: the multimodal rotary positions are per example (data.packing=false is asked for).
+With data.packing, examples are packed into rows as text examples are (packing.py: best-fit decreasing by
+length; position_ids restart at 0 where each one starts), images and all: a row's images are its documents'
+in order, and the engine gives each document the multimodal positions it would have alone (models/vision.py)
+and attention within itself only (models/attention.py). Without it, one example per row, position_ids None
+(the engine's multimodal positions over the whole row), as before packing existed here.
 An example whose image tokens would pass train.seq_len is left out (cutting it would cut an image).
 """
 
@@ -23,6 +27,7 @@ from megatrain_cli.data.errors import DataError
 from megatrain_cli.data.example import Example
 from megatrain_cli.data.images import IMAGE
 from megatrain_cli.data.load import source_label
+from megatrain_cli.data.packing import pack_rows
 from megatrain_cli.data.prompts import default_prefix_ids, eos_id, pad_id
 from megatrain_cli.data.train_data import EMPTY_REPLIES, NO_REPLY, TrainData
 from megatrain_cli.data.turns import render_segments
@@ -41,7 +46,8 @@ class ImageTrainData(TrainData):
 
     def micro_batch(self, rows: list[int]) -> MicroBatch:
         mb = super().micro_batch(rows)
-        mb.position_ids = None  # one example per row: the engine gives the rows their multimodal positions
+        if not self.packing:  # one example per row: the engine gives the rows their multimodal positions
+            mb.position_ids = None
         paths = [p for r in rows for ex in self.rows[r] for p in self.images[ex]]
         mb.images = self.processor.images(paths) if paths else None
         return mb
@@ -73,12 +79,9 @@ def encode_example(processor, ex: Example, template: str, train_on: str) -> tupl
 
 def build_image_data(examples: list[Example], processor, data_cfg: DataConfig, seq_len: int,
                      seed: int) -> ImageTrainData:
-    """Every example tokenised through the processor, one per row (left out: nothing to learn, or an image
-    past seq_len)."""
+    """Every example tokenised through the processor, packed into rows (data.packing) or one per row (left
+    out: nothing to learn, or an image past seq_len)."""
     label = source_label(data_cfg)
-    if data_cfg.packing:
-        raise DataError(f"{label}: data.packing: rows with images are one example each here (their multimodal "
-                        f"positions are per example); set data.packing=false")
     left_out: dict[str, list[int]] = {}
     ids_all, masks, lengths, images = [], [], [], []
     truncated = 0
@@ -104,7 +107,8 @@ def build_image_data(examples: list[Example], processor, data_cfg: DataConfig, s
         raise DataError(f"{label}: nothing left to train on ({', '.join(sorted(left_out))})")
     offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+    rows = pack_rows(lengths, seq_len) if data_cfg.packing else [[i] for i in range(len(lengths))]
     return ImageTrainData(torch.tensor(ids_all, dtype=torch.int32), offsets, torch.tensor(masks, dtype=torch.bool),
-                          [[i] for i in range(len(lengths))], seq_len=seq_len,
-                          pad_token_id=pad_id(processor.tokenizer), seed=seed, packing=False, truncated=truncated,
+                          rows, seq_len=seq_len, pad_token_id=pad_id(processor.tokenizer), seed=seed,
+                          packing=data_cfg.packing, truncated=truncated,
                           left_out=left_out, images=images, processor=processor)

@@ -14,6 +14,7 @@ import torch
 
 from megatrain_cli.batch import IGNORE_INDEX, MAX_LONG_CONTEXT_MASK, MicroBatch
 from megatrain_cli.models.attention import document_bounds
+from megatrain_cli.models.vision import PACKING_BIDIRECTIONAL
 
 
 @dataclass
@@ -75,11 +76,16 @@ def step_inputs(mbs: list[MicroBatch], store, streamer, layer_inputs, device: to
         feats = features[m] if features is not None else None
         x, masks = e, None
         if mb.images is not None:
-            if feats is None or mb.position_ids is not None:
-                raise ValueError("rows with images run in a training step only, one example per row (no packing)")
+            if feats is None:
+                raise ValueError("rows with images run in a training step only")
+            packed = mb.position_ids is not None and document_bounds(pos) is not None
+            if packed and adapter.vision.bidirectional_images():
+                raise ValueError(PACKING_BIDIRECTIONAL)
             with torch.enable_grad():
                 x = adapter.vision.scatter(mb.input_ids, e, feats)
-            mm_pos = adapter.vision.position_ids(mb.input_ids, mb.images)
+            # packed rows: each document's own multimodal positions, [4, B, T] with the documents' text
+            # positions in front (models/vision.py); rows of one example: [3, B, T] over the whole row
+            mm_pos = adapter.vision.position_ids(mb.input_ids, mb.images, pos if packed else None)
             pos = mm_pos if mm_pos is not None else pos
             masks = adapter.vision.decoder_masks(mb.input_ids, x)
         with torch.enable_grad():

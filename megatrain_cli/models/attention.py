@@ -40,7 +40,14 @@ PREFIX = "megatrain_packed_"
 # ---------------------------------------------------------------------------------------------- documents
 
 def document_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | None:
-    """(cu_seqlens, longest) of rows [B, T] whose positions restart inside a row, else None.
+    """(cu_seqlens, longest) of rows whose positions restart inside a row, else None.
+
+    `position_ids`: [B, T] text positions, or a VLM's multimodal positions in HF's layouts: [4, B, T] (HF's
+    packed layout: the text positions first, then the three rotary axes; Qwen2-VL's text model reads the
+    documents from the first alone) or [3, B, T] (the rotary axes alone: one document per row, as HF reads
+    it). The rotary axes cannot say where a document starts: inside an image the temporal axis stays put and
+    the height / width axes step back every grid row, so a rule over them would cut an image into
+    'documents'; only the text axis is read.
 
     A document starts at each row's first token and wherever a position is not the one before plus 1
     (HF's rule: masking_utils.find_packed_sequence_indices), so a padding tail whose positions continue
@@ -48,6 +55,13 @@ def document_bounds(position_ids: torch.Tensor) -> tuple[torch.Tensor, int] | No
     tokens and B*T at the end; longest: the longest document's length. None when no row restarts: one
     document per row needs no boundaries (and takes the unpacked path). Runs where the positions are
     (the engine passes them on the host: no device sync)."""
+    if position_ids.dim() == 3:
+        if position_ids.shape[0] != 4:
+            return None  # [3, B, T]: HF's unpacked multimodal layout, one document per row
+        position_ids = position_ids[0]
+    if position_ids.dim() > 3:
+        raise ValueError(f"position ids of shape {tuple(position_ids.shape)}: expected [B, T], [3, B, T] or "
+                         f"[4, B, T]")
     pos = position_ids.reshape(-1, position_ids.shape[-1])
     b, t = pos.shape
     starts = torch.ones(b, t, dtype=torch.bool, device=pos.device)

@@ -85,11 +85,12 @@ class LayerInputs:
 
     def __call__(self, embeds: torch.Tensor, position_ids: torch.Tensor, masks: dict | None = None) -> LayerCall:
         """Run HF's decoder forward on `embeds` [B, T, H] (autograd follows it: see module doc).
-        `position_ids` [B, T]: best on the host (the documents are read there; they move to the device
+        `position_ids` [B, T] (or a VLM's [3 | 4, B, T]: attention.document_bounds): best on the host (the documents are read there; they move to the device
         here). `masks`: per-layer-type masks the decoder takes as they are (a VLM family's own: Gemma 3's)."""
         self._record.clear()
-        # [3, B, T]: a VLM's multimodal rotary positions (one example per row, never packed)
-        docs = document_bounds(position_ids) if position_ids.dim() == 2 else None
+        # A VLM's multimodal positions: [3, B, T] one example per row; [4, B, T] packed rows, whose documents
+        # come from the text positions in front (HF's layout: its text model splits them off the same way)
+        docs = document_bounds(position_ids)
         pos = position_ids.to(embeds.device)
         if docs is None:
             extra = {"attention_mask": masks} if masks is not None else {}

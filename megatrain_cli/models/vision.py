@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from megatrain_cli.models.attention import document_bounds
 from megatrain_cli.models.families import UnsupportedModel
 from megatrain_cli.store.tiles import ParamSpec
 
@@ -217,15 +218,75 @@ class VisionParts:
         return make(self.config.get_text_config(), embeds, None, None, None,
                     block_sequence_ids=blocks(types, device=embeds.device))
 
-    def position_ids(self, input_ids: torch.Tensor, images: dict) -> torch.Tensor | None:
-        """Multimodal rotary positions [3, B, T] from HF's `get_rope_index` (host), or None for a family
-        whose decoder takes plain positions."""
+    def position_ids(self, input_ids: torch.Tensor, images: dict,
+                     text_positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Multimodal rotary positions from HF's `get_rope_index` (host), or None for a family whose decoder
+        takes plain positions. Rows of one example each: [3, B, T], as before. Packed rows (`text_positions`
+        [B, T] restarting where each document starts, data/image_rows.py): each document's positions as if
+        it were alone (packed_rope_index), as HF's packed layout [4, B, T] with the text positions in front."""
         rope_index = getattr(self._base, "get_rope_index", None)
         if rope_index is None:
             return None
         types = (input_ids == self.image_token_id).int()  # the processor's mm_token_type_ids: 1 = image
-        pos, _ = rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=images.get("image_grid_thw"))
+        grids = images.get("image_grid_thw")
+        if text_positions is not None and document_bounds(text_positions) is not None:
+            return packed_rope_index(rope_index, input_ids, types, grids, text_positions)
+        pos, _ = rope_index(input_ids, mm_token_type_ids=types, image_grid_thw=grids)
         return pos
+
+    def bidirectional_images(self) -> bool:
+        """Whether the family's decoder lets an image's tokens see each other both ways (Gemma 3: its own
+        masks, decoder_masks): packed rows' per-document causal attention cannot do that."""
+        return _builds_image_masks(type(self._base).__module__)
+
+
+def bidirectional_images(model_type: str) -> bool:
+    """VisionParts.bidirectional_images from a config's model_type alone (the preflight: no model built)."""
+    return _builds_image_masks(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+def _builds_image_masks(module_name: str) -> bool:
+    """The family's modeling module builds its own masks from the image tokens (HF's Gemma 3 does)."""
+    import importlib
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    return getattr(module, "create_masks_for_vision_model", None) is not None
+
+
+# Why Gemma 3's image rows are not packed: the varlen kernel and the reference attend causally within each
+# document, while HF lets an image's tokens see the whole image; the packed row would train another model.
+PACKING_BIDIRECTIONAL = ("data.packing: this model's image tokens attend to each other both ways within an image "
+                         "(Gemma 3), which packed rows' causal per-document attention cannot reproduce; set "
+                         "data.packing=false")
+
+
+def packed_rope_index(rope_index: Callable, input_ids: torch.Tensor, types: torch.Tensor, grids: torch.Tensor | None,
+                      text_positions: torch.Tensor) -> torch.Tensor:
+    """[4, B, T]: `text_positions` in front of HF's multimodal positions of each document computed alone.
+
+    `get_rope_index` over a whole packed row would continue the positions across documents (its text runs
+    count on from the row's start), so it runs once per document, on that document's ids and image grids;
+    the grids are taken in order, one per run of image tokens (what get_rope_index itself consumes). A row's
+    padding tail continues its last document (document_bounds' rule), as it does in a row of one example.
+    Costs a host loop over the step's documents (HF's own per-row loop, run per document)."""
+    b, t = input_ids.shape
+    out = torch.empty(4, b, t, dtype=input_ids.dtype)
+    out[0] = text_positions
+    bounds = document_bounds(text_positions)[0].tolist()
+    flat_ids, flat_types = input_ids.reshape(-1), types.reshape(-1)
+    taken = 0
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        image = flat_types[lo:hi] == 1
+        n = int(image[0]) + int((image[1:] & ~image[:-1]).sum())  # runs of image tokens: one image each
+        doc_grids = grids[taken:taken + n] if grids is not None and n else None
+        taken += n
+        pos, _ = rope_index(flat_ids[None, lo:hi], mm_token_type_ids=flat_types[None, lo:hi], image_grid_thw=doc_grids)
+        row, at = divmod(lo, t)
+        out[1:, row, at:at + hi - lo] = pos[:, 0]
+    return out
 
 
 def _with_real_buffers(module: nn.Module, config: Any, device: torch.device) -> nn.Module:

@@ -80,7 +80,8 @@ class DataConfig:
     max_samples: Optional[int] = doc("Use at most this many records (before splitting; a mixture's total).", None)
     packing: bool = doc("Pack several examples per row (positions reset; each example attends only to itself, "
                         "through the varlen attention kernel on CUDA: no mask, at any train.seq_len) so no FLOPs "
-                        "go to padding.", True)
+                        "go to padding. Chats with images pack too, each with its own multimodal positions "
+                        "(docs/vlm.md); Gemma 3's are refused (its image tokens attend both ways).", True)
     num_proc: int = doc("Processes for tokenisation.", 1)
     cache_dir: Union[Literal["auto", "off"], str] = doc(
         "Cache of tokenised examples (keyed by the data, tokenizer, template and train_on): 'auto' (the user's "

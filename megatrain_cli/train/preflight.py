@@ -127,7 +127,8 @@ def check_images_fit_model(r: Recipe, examples) -> None:
     import json
 
     from megatrain_cli.data.sources import RecordPlace
-    from megatrain_cli.presets import is_vision_preset
+    from megatrain_cli.models.vision import PACKING_BIDIRECTIONAL, bidirectional_images
+    from megatrain_cli.presets import PRESETS, is_vision_preset
 
     first = next((ex for ex in examples if getattr(ex, "images", None)), None)
     if first is None:
@@ -135,13 +136,17 @@ def check_images_fit_model(r: Recipe, examples) -> None:
     if r.model.path is not None:
         config = json.loads((Path(r.model.path) / "config.json").read_text())
         vision, kind = "vision_config" in config, config.get("model_type", "?")
+        model_type = kind
     else:
         vision, kind = is_vision_preset(r.model.preset), r.model.preset
+        model_type = PRESETS[kind].model_type if kind in PRESETS else "?"
     where = RecordPlace(r.data.source)(first.record)
     if not vision:
         raise TrainingError(f"data.source: {where} has images but the model ({kind!r}) has no vision tower; train a "
                             f"vision-language model (e.g. model.preset=qwen2-vl-tiny) or remove the images from the "
                             f"data", 2)
+    if r.data.packing and bidirectional_images(model_type):  # Gemma 3: docs/vlm.md
+        raise TrainingError(PACKING_BIDIRECTIONAL, 2)
     if r.eval.every_n_steps:  # the forward-only passes do not take images yet
         raise TrainingError(f"eval.every_n_steps: data with images ({where}) has no validation loss yet "
                             f"(docs/vlm.md); set eval.every_n_steps=null", 2)

@@ -88,3 +88,23 @@ def test_bad_inputs_are_refused_as_for_qwen2_vl(folder, tmp_path, bad, expected)
     line = expected.format(look=tmp_path / "data" / "cat.png")
     assert text.strip().splitlines()[-1] == f"error: data.source: {data} {line}"
     assert not out.exists(), "nothing written"
+
+
+def test_packed_image_rows_train_on_llava_and_are_refused_on_gemma3(folder, tmp_path):
+    """data.packing=true: LLaVA's rows (plain positions, causal decoder) pack and train; Gemma 3's image tokens
+    attend both ways within an image in HF, which packed rows cannot reproduce: refused before anything is
+    written, naming the setting and the fix (tests/engine/test_packed_vision.py: the parity of packed rows)."""
+    from megatrain_cli.models.vision import PACKING_BIDIRECTIONAL
+
+    data = write_data(tmp_path / "d", records() * 3)
+    out = tmp_path / "run"
+    result = megatrain("train", RECIPE, "~model.preset", f"model.path={folder}", f"data.source={data}",
+                       "data.test_fraction=0", "data.packing=true", f"output_dir={out}", "train.steps=2",
+                       "checkpoint.every_n_steps=2")
+    if json.loads((folder / "config.json").read_text())["model_type"] == "gemma3":
+        text = refused(result, 2)
+        assert text.strip().splitlines()[-1] == f"error: {PACKING_BIDIRECTIONAL}"
+        assert not out.exists(), "nothing written"
+    else:
+        assert result.exit_code == 0, result.output
+        assert (out / "final" / "config.json").is_file()

@@ -73,13 +73,67 @@ def test_rows_hold_each_images_own_tokens_and_loss_only_on_the_reply():
         assert labelled.tolist() == reply  # the reply and its end of turn, nothing else
 
 
-def test_packing_image_rows_is_refused_with_the_fix():
+def test_packed_image_rows_hold_each_example_as_alone_and_its_images_in_document_order():
+    """data.packing=true: several examples per row, each with the ids and labels it has alone, positions
+    restarting at each (the engine's documents), the row's images those of its documents in order."""
     processor = load_processor(None)
     from megatrain_cli.data import load_examples
 
-    examples = load_examples(DataConfig(source="builtin:sample_vlm"))
-    with pytest.raises(DataError, match="set data.packing=false"):
-        build_image_data(examples, processor, DataConfig(source="builtin:sample_vlm"), 96, 0)
+    examples = [ex for ex in load_examples(DataConfig(source="builtin:sample_vlm")) if ex.images]
+    alone = build_image_data(examples, processor, DataConfig(source="builtin:sample_vlm", packing=False), 96, 0)
+    packed = build_image_data(examples, processor, DataConfig(source="builtin:sample_vlm"), 96, 0)
+    assert packed.packing and packed.num_rows < alone.num_rows == len(examples)
+    assert max(map(len, packed.rows)) > 1 and sorted(e for r in packed.rows for e in r) == list(range(len(examples)))
+    for row in range(packed.num_rows):
+        mb = packed.micro_batch([row])
+        assert not ((mb.labels != IGNORE_INDEX) & (mb.input_ids == processor.image_token_id)).any()
+        at = 0
+        for ex in packed.rows[row]:
+            one = alone.micro_batch([ex])
+            n = int(alone.offsets[ex + 1] - alone.offsets[ex])
+            assert torch.equal(mb.input_ids[0, at:at + n], one.input_ids[0, :n])
+            assert torch.equal(mb.labels[0, at:at + n], one.labels[0, :n])
+            assert mb.position_ids[0, at:at + n].tolist() == list(range(n))  # restarts: a document each
+            at += n
+        grids = torch.cat([alone.micro_batch([ex]).images["image_grid_thw"] for ex in packed.rows[row]])
+        assert torch.equal(mb.images["image_grid_thw"], grids)  # the documents' images, in order
+    assert packed.stats()["fill"] > alone.stats()["fill"]
+
+
+def test_packing_raises_the_fill_on_a_realistic_mix(tmp_path):
+    """Chats of one or two images of 112..448 px (16..256 image tokens each: the bundled processor's dynamic
+    resolution) and some text-only ones, replies of a word to a few sentences, at train.seq_len=1024: one example
+    per row fills well under half of each row; packed, most of it."""
+    from PIL import Image
+
+    from megatrain_cli.data import load_examples
+
+    rng = torch.Generator().manual_seed(0)
+    sizes = [(112, 112), (224, 168), (336, 336), (448, 336), (448, 448)]
+    folder = tmp_path / "d"
+    folder.mkdir()
+    for w, h in sizes:
+        Image.open(SAMPLE / "red.png").convert("RGB").resize((w, h)).save(folder / f"{w}x{h}.png")
+    words = "the shape on the left is red and the stripes run across the whole picture".split()
+    records = []
+    for i in range(60):
+        k = int(torch.randint(0, 3, (1,), generator=rng))  # 0, 1 or 2 images
+        names = [f"{w}x{h}.png" for w, h in (sizes[int(j)] for j in torch.randint(0, len(sizes), (k,), generator=rng))]
+        reply = " ".join(words[int(j)] for j in torch.randint(0, len(words), (int(torch.randint(1, 120, (1,),
+                                                                                                 generator=rng)),),
+                                                                           generator=rng))
+        records.append(chat("<image>" * k + f"Describe picture {i}.", reply=reply, images=names) if k else
+                       chat(f"Say something about shapes, take {i}.", reply=reply))
+    path = write_data(folder, records, images=())
+    processor = load_processor(None)
+    fills = {}
+    for packing in (False, True):
+        cfg = DataConfig(source=str(path), packing=packing, test_fraction=0.0)
+        data = build_image_data(load_examples(cfg), processor, cfg, 1024, 0)
+        assert data.num_examples == len(records) and not data.truncated
+        fills[packing] = data.stats()["fill"]
+    print(f"fill: one example per row {fills[False]:.3f}, packed {fills[True]:.3f}")
+    assert fills[False] < 0.4 and fills[True] > 0.85, fills
 
 
 def run_refused(tmp_path, records, expected, **files) -> None:

@@ -62,3 +62,15 @@ def test_train_export_reload_generate_and_eval(tmp_path):
     assert (results["correct"], results["total"], results["accuracy"]) == (1, 2, 0.5)
     preds = [json.loads(line) for line in (tmp_path / "eval" / "predictions.jsonl").read_text().splitlines()]
     assert [p["correct"] for p in preds] == [True, False] and preds[0]["output"] == reply
+
+
+def test_packed_image_rows_train_from_the_recipe(tmp_path):
+    """data.packing=true on Qwen2-VL: several chats with images per row (each its own multimodal positions and
+    attention: tests/engine/test_packed_vision.py), trained end to end; the loss is finite and falls."""
+    out = tmp_path / "run"
+    result = megatrain("train", RECIPE, f"output_dir={out}", "data.packing=true", "train.steps=4",
+                       "checkpoint.every_n_steps=4", "logging.every_n_steps=1")
+    assert result.exit_code == 0, result.output
+    losses = [float(line.split("|")[1]) for line in result.output.splitlines() if line.strip()[:4] in ("1/4 ", "4/4 ")]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))) and losses[1] < losses[0], result.output
+    assert (out / "final" / "model.safetensors").is_file()
