@@ -3,7 +3,7 @@
 # train (bf16 / fp32 / bf16 masters, resident auto / 0 / N, DPO, GRPO), bench with and without engine.max_gpu_mem,
 # packed rows, the preference and GRPO benches, the long-context path, mixture of experts, eval resident and
 # streamed, export, `megatrain plan`, the low optimizer-state options and the disk tier, a vision-language model
-# (train, bench), and `--gpus 2` where two GPUs are present. The first row runs alone (it compiles the C++
+# (train one example a row and packed, bench), and `--gpus 2` where two GPUs are present. The first row runs alone (it compiles the C++
 # AdamW); the rest run in three lanes at once (rows that read another's output share its lane), so a row's wall
 # and a bench's figure include the other lanes' load: they say the path works, not how fast. Exit non-zero
 # when any row fails; a summary table last.
@@ -76,6 +76,7 @@ lane2() {
   # A vision-language model: the tiny Qwen2-VL recipe (tower streamed, bf16), then the bench's image rows
   # against the same model whole on the GPU.
   row train-vlm-tiny 240 megatrain train recipes/vlm-tiny.yaml $BF16 $STEPS output_dir=$W/vlm
+  row train-vlm-packed 240 megatrain train recipes/vlm-tiny.yaml data.packing=true $BF16 $STEPS output_dir=$W/vlm-packed
   row bench-vlm-native 300 megatrain bench --model qwen2-vl-tiny --seq 512 --batch 2 $BENCH --baseline native \
     --output $W/bench-vlm-native.json
 }
