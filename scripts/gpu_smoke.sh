@@ -4,9 +4,9 @@
 # packed rows, the preference and GRPO benches, the long-context path, mixture of experts, eval resident and
 # streamed, export, `megatrain plan`, the low optimizer-state options and the disk tier, a vision-language model
 # (train one example a row and packed, bench), and `--gpus 2` where two GPUs are present. The first row runs
-# alone (it compiles the C++ AdamW); the rest run in three lanes at once (rows that read another's output share its lane), so a row's wall
-# and a bench's figure include the other lanes' load: they say the path works, not how fast. Exit non-zero
-# when any row fails; a summary table last.
+# alone (it compiles the C++ AdamW); the rest run in three lanes at once (rows that read another's output share
+# its lane), so a row's wall and a bench's figure include the other lanes' load: they say the path works, not how
+# fast. Exit non-zero when any row fails; a summary table last.
 # Usage (on the GPU machine, repository root): bash scripts/gpu_smoke.sh   Logs: $OUT/smoke (or ./gpu-logs).
 set -u
 OUT=${OUT:-gpu-logs}; LOGS="$OUT/smoke"; mkdir -p "$LOGS"
