@@ -164,7 +164,7 @@ class HostAdamW:
     def _master_key(self, tile: Tile, step: int) -> int | None:
         """This step's stochastic-rounding key of the tile's bf16 masters; None: stored as they are or rounded
         to nearest even."""
-        if self.master_rounding == "nearest":
+        if self.master_rounding == "nearest" or tile.master.dtype != torch.bfloat16:  # fp32 masters: stored as is
             return None
         return master_key(self.master_rounding, tile.master, self.seed, tile.name, step)
 

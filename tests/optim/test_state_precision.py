@@ -16,7 +16,7 @@ from megatrain_cli.recipe import TrainConfig
 from megatrain_cli.store.moments import read_moments, sr_key, write_moments
 from megatrain_cli.store.tiles import TileLayout, allocate_tile
 
-CFG = dict(lr=1e-3, weight_decay=0.1, eps=1e-8, seed=7)
+CFG = dict(lr=1e-3, weight_decay=0.1, eps=1e-8, seed=7, master_rounding="nearest")  # the reference rounds so
 # (numel, decay_numel): one element; a short last block; a decay boundary inside a block; > a thread grain
 SIZES = [(1, 1), (200, 77), (64 * 1100 + 13, 64 * 500 + 5)]
 
