@@ -64,7 +64,12 @@ def make_state(n: int, moments: str, master: torch.dtype, device: torch.device) 
     if moments == "bf16":
         s.update(exp_avg=m.bfloat16(), exp_avg_sq=v.bfloat16(), exp_avg_exp=None, exp_avg_sq_exp=None)
     else:
-        codes, exps = (lambda: torch.empty(n, dtype=torch.float8_e4m3fn)), (lambda: torch.empty(-(-n // BLOCK), dtype=torch.int8))
+        def codes():
+            return torch.empty(n, dtype=torch.float8_e4m3fn)
+
+        def exps():
+            return torch.empty(-(-n // BLOCK), dtype=torch.int8)
+
         s.update(exp_avg=codes(), exp_avg_sq=codes(), exp_avg_exp=exps(), exp_avg_sq_exp=exps())
         encode_int8(m, s["exp_avg"], s["exp_avg_exp"])
         encode_int8(sqrt_rn(v), s["exp_avg_sq"], s["exp_avg_sq_exp"])
