@@ -44,6 +44,7 @@ from .state_codecs import (bf16_load, bf16_nearest, bf16_stochastic, bf16_store,
 KIND = "adamw_state"
 BLOCK = 64  # store/moments.BLOCK (not imported: kernels know nothing of megatrain_cli; the caller checks it)
 BLOCKS = 16  # int8 blocks per program: 1024 elements, 8 per thread at 4 warps (not tuned on the H200 yet)
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}  # no FMA: torch rounds every product (module docstring)
 
 
 def f32(x: float) -> float:
@@ -161,4 +162,4 @@ def adamw_state_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
         f32(w1), f32(beta2), f32(c2), f32(eps), f32(neg_step), f32(decay),
         INT8=int8, MASTER_BF16=master.dtype == torch.bfloat16, GRAD_BF16=grad.dtype == torch.bfloat16,
         SR_MASTER=key_p is not None, SCALED=scaled, BLOCKS=BLOCKS, BLOCK=BLOCK,
-        enable_fp_fusion=False)  # no FMA: torch rounds every product (module docstring)
+        **LAUNCH_OPTIONS)
