@@ -8,6 +8,10 @@ and a public function that works on plain tensors:
     apply_rope(q, k, cos, sin)                     kernels/rope.py
     fused_linear_cross_entropy(hidden, weight, labels, ...)   kernels/fused_linear_ce.py
 
+Outside the registry: adamw_state_update (kernels/adamw_state.py), AdamW over bf16 / int8 moments, whose
+reference is megatrain_cli/optim/state_adamw.py's torch path; optim/state_fused.py dispatches to it and
+uses the fallback record below under the kind "adamw_state".
+
 The public functions take the Triton path for CUDA tensors (and CPU tensors under TRITON_INTERPRET=1)
 and the reference otherwise. If Triton can't be imported or a kernel fails to compile or launch, that
 kind falls back to its reference for the rest of the process with exactly one warning: slower, never

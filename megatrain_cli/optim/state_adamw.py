@@ -1,7 +1,8 @@
 """AdamW over bf16 or int8 moments (train.optimizer_state, store/moments.py) in torch ops, on any device: the
 GPU-resident path (engine/resident.py) and HostAdamW's torch path. The C++ host kernel (adamw_state.cpp)
 computes the same fp32 operations in the same order, so the two agree bit for bit (tests/optim/
-test_state_precision.py).
+test_state_precision.py); so does the fused Triton kernel (kernels/adamw_state.py) that update_state hands
+CUDA tensors to (optim/state_fused.py: one pass instead of ~100; tests/triton/test_adamw_state.py).
 
 Per element, all in fp32, each operation rounded on its own (no FMA: the C++ build has -ffp-contract=off,
 torch's elementwise ops round each op):
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatrain_cli.optim import state_fused
 from megatrain_cli.store.moments import BLOCK, MASTER, decode_int8, encode_int8, sqrt_rn, sr_key, stochastic_bf16
 
 # 8 M elements per pass of torch ops (a multiple of the int8 block): ~100 bytes of temporaries an element are
@@ -100,9 +102,23 @@ def update_state(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor
     """One AdamW step over a tile's flat sections, in place (module docstring). `decay_numel`: the leading
     range that takes weight decay; `origin`: the tile's first element in the whole tile (stochastic
     rounding's element index); key_m, key_v: store.moments.sr_key of this tile, step and moment; key_p:
-    master_key (None: the new weight stored as it is, or rounded to nearest even)."""
+    master_key (None: the new weight stored as it is, or rounded to nearest even).
+    On CUDA with triton: the fused kernel (optim/state_fused.py), the same bits in one pass; elsewhere, or
+    if the kernel fails (one warning, then always), update_state_torch."""
     if moments not in ("bf16", "int8"):
         raise ValueError(f"update_state takes bf16 or int8 moments, got {moments!r}")
+    args = (master, grad, exp_avg, exp_avg_sq, exp_avg_exp, exp_avg_sq_exp)
+    kw = dict(moments=moments, decay_numel=decay_numel, k=k, key_m=key_m, key_v=key_v, origin=origin, key_p=key_p)
+    if master.is_cuda and state_fused.wanted(master, grad, exp_avg, moments):
+        state_fused.update(*args, _divisors(k, master.device), lambda: update_state_torch(*args, **kw), **kw)
+        return
+    update_state_torch(*args, **kw)
+
+
+def update_state_torch(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                       exp_avg_exp: torch.Tensor, exp_avg_sq_exp: torch.Tensor, *, moments: str, decay_numel: int,
+                       k: StepConsts, key_m: int, key_v: int, origin: int, key_p: int | None = None) -> None:
+    """update_state in chunks of torch ops, on any device: the CPU's path and the fused kernel's reference."""
     n = master.numel()
     div = _divisors(k, master.device)
     for lo in range(0, n, CHUNK):
