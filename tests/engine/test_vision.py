@@ -143,6 +143,7 @@ def run_both(family, *, freeze_vision=False, freeze_projector=False, **settings)
     engine = make_engine(store, cfg, device="cpu", checkpoint_interval=1, loss_chunk_tokens=7,
                          **{"overlap_optimizer": False, **settings}, frozen=frozen)
     results = [engine.step(mbs, lr_at(s, cfg, STEPS)) for s, mbs in enumerate(batches)]
+    engine.close()  # the optimizer thread's last updates land before the store is read (a race under load)
     return store, ref, ref_losses, results, before, prefixes
 
 
