@@ -110,6 +110,12 @@ def test_coded_moments_are_priced_at_their_own_measured_rate():
     by_bytes = 26e9 / pr.state_update_bytes("int8")  # params/s of 18 bytes each at the fp32 pass's 26 GB/s
     assert forward(None) == pytest.approx(forward(by_bytes))  # no rate: its bytes, as before
     assert forward(None) < forward(1e9)
+    # bf16 masters rounded stochastically: their own rate where probed, else the moments' own
+    sr = dataclasses.replace(shape, masters="bf16-stochastic")
+    both = dataclasses.replace(host_bound, state_params_per_s={"int8": 2e9, "int8+bf16-stochastic": 1e9})
+    only = dataclasses.replace(host_bound, state_params_per_s={"int8": 1e9})
+    assert predict(both, LAYER, MODEL, sr, Candidate(4, 0, 0)).phases["forward"] == pytest.approx(forward(1e9))
+    assert predict(only, LAYER, MODEL, sr, Candidate(4, 0, 0)).phases["forward"] == pytest.approx(forward(1e9))
 
 
 def test_unknown_gpu_parts_leave_a_lower_bound():
@@ -139,7 +145,8 @@ def test_probe_cache_is_written_reused_and_remeasured(tmp_path, monkeypatch):
     assert first.measured == ["machine"] and first.path.parent == tmp_path and first.path.is_file()
     assert first.path.name == f"{pb.cache_key()}.json"
     assert first.machine.adamw_params_per_s > 0 and first.machine.cast_elems_per_s > 0
-    assert sorted(first.machine.state_params_per_s) == ["bf16", "int8"]
+    assert sorted(first.machine.state_params_per_s) == ["bf16", "bf16+bf16-stochastic", "int8",
+                                                       "int8+bf16-stochastic"]
     assert all(v > 0 for v in first.machine.state_params_per_s.values())
     if not torch.cuda.is_available():
         assert first.machine.gpu is None and first.machine.h2d_gbps is None and "gemm_tflops" in first.machine.unknown()

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatrain_cli.engine.plan.lean_terms import checkpoint_bytes
-from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures, recipe_shape
+from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures, coded_key, recipe_shape
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
 from megatrain_cli.store.moments import moment_bytes_per_param
 from megatrain_cli.store.tiles import HostStore
@@ -100,6 +100,7 @@ class StepShape:
     overlap_optimizer: bool = True
     device: str = "cuda"
     moments: str = "fp32"  # train.optimizer_state: bf16 / int8 moments update in one pass, never split
+    masters: str = "fp32"  # fp32, or bf16-nearest / bf16-stochastic (train.master_weights, train.master_rounding)
     disk: bool = False  # a disk tier (store.disk): one pass per tile too, after the verdict (its I/O: disk_tier.py)
 
 
@@ -210,7 +211,7 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     def coded_s(params: float, u: float) -> float:
         """The one-pass update (bf16 / int8 moments: at its own probed rate; fp32 moments under a disk tier, or a
         probe from before the rate was measured: by its bytes)."""
-        rate = fig.state_at(shape.moments, u)
+        rate = fig.state_at(coded_key(shape.moments, shape.masters), u) or fig.state_at(shape.moments, u)
         return params / rate if rate else host(params, state_update_bytes(shape.moments), u)
 
     def cast_s(u: float) -> float:  # one streamed layer's cast, slowed as the AdamW pass is
@@ -270,7 +271,8 @@ def shape_of(r, device: torch.device, *, clipped: bool = True) -> StepShape:
     t, e = r.train, r.engine
     return StepShape(t.micro_batch_size, t.seq_len, t.grad_accum, e.layer_slots, clipped=clipped and
                      t.max_grad_norm is not None, update_on_read=e.update_on_read and e.defer_moments,
-                     overlap_optimizer=e.overlap_optimizer, device=device.type, moments=t.optimizer_state)
+                     overlap_optimizer=e.overlap_optimizer, device=device.type, moments=t.optimizer_state,
+                     masters="fp32" if t.master_weights == "fp32" else f"bf16-{t.master_rounding}")
 
 
 def _planned(r, adapter, device, cand_engine: dict, budget):

@@ -47,6 +47,13 @@ HOST_WARMUP = 5  # untimed passes before each host figure
 CODED = ("bf16", "int8")  # train.optimizer_state values whose update pass is timed on its own
 
 
+def coded_key(moments: str, masters: str = "fp32") -> str:
+    """The name a coded pass's rate is kept under: its moments, and its masters where they are bf16 rounded
+    stochastically (a hash per element more; 'int8+bf16-stochastic'); fp32 or nearest-rounded masters cost the
+    pass nothing measurable beyond its bytes, so they share the moments' own rate."""
+    return f"{moments}+{masters}" if masters == "bf16-stochastic" else moments
+
+
 @dataclass
 class LayerTiming:
     """Seconds per micro-batch as the engine runs them: per decoder layer (the mean over the model's layers),
@@ -182,13 +189,13 @@ def _timed(fn: Callable[[], object], *, reps: int, warmup: int = 1, cuda: bool =
     return statistics.median(times)
 
 
-def _host_tile(params: int, moments: str = "fp32"):
+def _host_tile(params: int, moments: str = "fp32", master: torch.dtype = torch.float32):
     """One layer-like tile of `params` parameters (bf16 gradients), filled so AdamW does real math."""
     from megatrain_cli.store.tiles import ParamSpec, TileLayout, allocate_tile
 
     cols = 4096
     spec = ParamSpec("w", (max(1, params // cols), cols))
-    tile = allocate_tile("layers.0", TileLayout.from_specs([spec]), torch.bfloat16, torch.float32, moments)
+    tile = allocate_tile("layers.0", TileLayout.from_specs([spec]), torch.bfloat16, master, moments)
     tile.master.normal_(0, 0.02)
     for state in (tile.exp_avg, tile.exp_avg_sq, tile.exp_avg_exp, tile.exp_avg_sq_exp):
         state.zero_()  # coded moments: zero codes and exponents (a zero moment); fp32: zero, then v below
@@ -257,7 +264,11 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
     # The one-pass update over coded moments decodes, updates and codes again with stochastic rounding: arithmetic
     # more than bandwidth, so it is timed itself, not priced by its bytes at the fp32 pass's GB/s (a 7B step
     # with int8 moments was predicted 3.12 s and measured 7.06: docs/benchmarks.md, session 14).
-    coded = {m: (_host_tile(params, m), HostAdamW(TrainConfig(optimizer_state=m), kernel="auto")) for m in CODED}
+    coded = {}
+    for m in CODED:
+        coded[coded_key(m)] = (_host_tile(params, m), HostAdamW(TrainConfig(optimizer_state=m), kernel="auto"))
+        sr = TrainConfig(optimizer_state=m, master_weights="bf16", master_rounding="stochastic")
+        coded[coded_key(m, "bf16-stochastic")] = (_host_tile(params, m, torch.bfloat16), HostAdamW(sr, kernel="auto"))
     for m, (t, o) in coded.items():
         say(f"probe: host AdamW over {m} moments")
         fig.state_params_per_s[m] = t.numel / _timed(lambda: o.update(t, 1e-5), reps=reps, warmup=HOST_WARMUP)
