@@ -230,8 +230,9 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
         ckpt, state = found
         start, skips.skipped = int(state["step"]), int(state.get("skipped_steps", 0))
         data.load_state_dict(state["data"])
+        note = resume.rounding_note(state, t.master_weights, t.master_rounding)
         if lead:
-            print(f"resumed from {ckpt} at step {start}", file=sys.stderr)
+            print(f"resumed from {ckpt} at step {start}" + (f"\n{note}" if note else ""), file=sys.stderr)
 
     def checkpoint(step: int) -> None:
         engine.synchronize()  # pending host updates land before the masters are read
@@ -240,7 +241,8 @@ def _run(r: Recipe, device, config, plan, dist, lead: bool, out: Path, watch, pr
         else:
             save = save_checkpoint
         try:
-            save(store, out, step, {"step": step, "skipped_steps": skips.skipped, "data": data.state_dict()},
+            save(store, out, step, {"step": step, "skipped_steps": skips.skipped, "data": data.state_dict(),
+                                    "master_rounding": t.master_rounding},
                  keep_last_n=r.checkpoint.keep_last_n, tokenizer=saved, source_dir=r.model.path)
         except CheckpointWriteError as err:  # disk full: nothing partial left, the previous one intact
             raise TrainingError(str(err), 1) from None

@@ -104,3 +104,17 @@ def _none_usable(out: Path, damaged: list[tuple[str, str]]) -> str:
     listing = "; ".join(f"{name}: {why}" for name, why in damaged)
     return (f"checkpoint.resume=auto: no usable checkpoint in {out} ({listing}). Move them away to start over, "
             "or set checkpoint.resume=null")
+
+
+def rounding_note(state: dict, master_weights: str, master_rounding: str) -> str | None:
+    """What a resume says when its bf16 masters are now rounded otherwise than when the checkpoint was written
+    (train.master_rounding; a trainer state that names none was written before stochastic became the default,
+    under round to nearest). The resume works either way (the rounding's bits are a stateless hash); the run
+    only continues differently from the one that wrote the checkpoint. None: nothing to say."""
+    if master_weights != "bf16":
+        return None
+    written = state.get("master_rounding", "nearest")
+    if written == master_rounding:
+        return None
+    return (f"note: the checkpoint's bf16 masters were rounded with train.master_rounding={written}, this run "
+            f"rounds them {master_rounding}; set train.master_rounding={written} to continue as that run would")
