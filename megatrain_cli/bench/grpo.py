@@ -92,7 +92,8 @@ def measure(planned, store, engine, run, *, log=print) -> list[BenchResult]:
         sync()
         took = time.perf_counter() - t0
         log(f"[bench] grpo step {s}{' (warm-up)' if s < warmup else ''}: generate {rollouts.seconds:.2f} s "
-            f"({rollouts.new_tokens} tokens, decoded {rollouts.decode_path}), score {scored:.3f} s, train {took:.2f} s, grad norm {res.grad_norm:.3f}")
+            f"({rollouts.new_tokens} tokens, decoded {rollouts.decode_path}), score {scored:.3f} s, "
+            f"train {took:.2f} s, grad norm {res.grad_norm:.3f}")
         if s >= warmup:
             times.append((rollouts.seconds, scored, took))
             generated += rollouts.new_tokens

@@ -67,7 +67,6 @@ class Sampler:
         race = torch.empty_like(probs).exponential_(1, generator=self.generator)
         return (probs / race).argmax(-1)
 
-
     def took_nan(self) -> bool:
         """Whether any row's logits were NaN or +inf since the last call (one host read)."""
         nan, self._nan = self._nan, None

@@ -39,7 +39,8 @@ from typing import Callable
 
 import torch
 
-CACHE_VERSION = 3  # 2: layer timings measured through the engine (recorded forward, head, fixed); 3: coded states' rates
+# 2: layer timings measured through the engine (recorded forward, head, fixed); 3: the coded states' own rates
+CACHE_VERSION = 3
 # Bytes of host memory traffic per parameter of the measured HostAdamW.update (optim/adamw_cpp.py: the C++
 # pass reads p, m, v and a bf16 g and writes p, m, v; the torch path also widens g through fp32 scratch).
 UPDATE_BYTES = {"cpp": 26.0, "torch": 34.0}
@@ -268,7 +269,8 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
     for m in CODED:
         coded[coded_key(m)] = (_host_tile(params, m), HostAdamW(TrainConfig(optimizer_state=m), kernel="auto"))
         sr = TrainConfig(optimizer_state=m, master_weights="bf16", master_rounding="stochastic")
-        coded[coded_key(m, "bf16-stochastic")] = (_host_tile(params, m, torch.bfloat16), HostAdamW(sr, kernel="auto"))
+        coded[coded_key(m, "bf16-stochastic")] = (_host_tile(params, m, torch.bfloat16),
+                                                  HostAdamW(sr, kernel="auto"))
     for m, (t, o) in coded.items():
         say(f"probe: host AdamW over {m} moments")
         fig.state_params_per_s[m] = t.numel / _timed(lambda: o.update(t, 1e-5), reps=reps, warmup=HOST_WARMUP)
