@@ -46,16 +46,19 @@ def test_resident_equals_streamed_bit_for_bit(moments):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-@pytest.mark.parametrize("master", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("master,rounding", [(torch.float32, "nearest"), (torch.bfloat16, "nearest"),
+                                             (torch.bfloat16, "stochastic")])
 @pytest.mark.parametrize("moments", ["bf16", "int8"])
-def test_device_update_equals_the_host_kernel(moments, master):
+def test_device_update_equals_the_host_kernel(moments, master, rounding):
     """The resident layers' update on CUDA (optim/state_adamw.py) against the C++ host kernel on the same
-    tile and gradients: every byte of masters, moment codes and block exponents, over three steps."""
-    from megatrain_cli.optim.state_adamw import StepConsts, update_state
+    tile and gradients: every byte of masters, moment codes and block exponents, over three steps; bf16 masters
+    rounded either way, the device given the master key as engine/resident.py gives it."""
+    from megatrain_cli.optim.state_adamw import StepConsts, master_key, update_state
     from megatrain_cli.store.moments import sr_key
     from megatrain_cli.store.tiles import TileLayout, allocate_tile
 
-    n, decay, cfg = 64 * 1000 + 37, 64 * 400 + 9, TrainConfig(lr=1e-3, weight_decay=0.1, optimizer_state=moments)
+    n, decay = 64 * 1000 + 37, 64 * 400 + 9
+    cfg = TrainConfig(lr=1e-3, weight_decay=0.1, optimizer_state=moments, master_rounding=rounding)
     host = allocate_tile("layers.0", TileLayout([], n, decay), torch.bfloat16, master, moments)
     host.master.copy_(torch.randn(n, generator=torch.Generator().manual_seed(0)) * 0.02)
     for s in (host.exp_avg, host.exp_avg_sq, host.exp_avg_exp, host.exp_avg_sq_exp):
@@ -71,7 +74,8 @@ def test_device_update_equals_the_host_kernel(moments, master):
         opt.update(host, 1e-3, 0.6)
         update_state(*(dev[k] for k in sections), moments=moments, decay_numel=decay,
                      k=StepConsts.make(step, 1e-3, 0.9, 0.999, cfg.eps, 0.1, 0.6),
-                     key_m=sr_key(cfg.seed, "layers.0", step, 0), key_v=sr_key(cfg.seed, "layers.0", step, 1), origin=0)
+                     key_m=sr_key(cfg.seed, "layers.0", step, 0), key_v=sr_key(cfg.seed, "layers.0", step, 1), origin=0,
+                     key_p=master_key(rounding, dev["master"], cfg.seed, "layers.0", step))
     for k in sections:
         a, b = getattr(host, k).view(torch.uint8), dev[k].cpu().view(torch.uint8)
         assert torch.equal(a, b), f"{k}: {(a != b).sum().item()} bytes differ"
