@@ -132,6 +132,8 @@ def bench(ctx: typer.Context,
                                              "train.grad_accum are then per GPU. 1: the single-GPU engine through "
                                              "the same loop. Under torchrun: its WORLD_SIZE."),
           frame: Optional[Path] = typer.Option(None, help="Write the last step's dashboard frame (text) here."),
+          probe_cache: Optional[Path] = typer.Option(None, help="Probe cache folder for the planner's prediction "
+                                                     "(default ~/.cache/megatrain/probe; a new folder probes again)."),
           as_json: bool = typer.Option(False, "--json", help="Print results as JSON (stdout holds nothing else: "
                                        "no dashboard)."),
           output: Optional[Path] = typer.Option(None, help="Also write the JSON here."),
@@ -152,7 +154,7 @@ def bench(ctx: typer.Context,
     with _answered(debug):
         code = run_bench_command(
             list(ctx.args), BenchRun(steps=steps, warmup=warmup, layers=layers, frame=str(frame) if frame else None,
-                                     predict=True),
+                                     predict=True, probe_cache=str(probe_cache) if probe_cache else None),
             shorthand=dict(model=model, seq=seq, batch=batch, grad_accum=grad_accum, device=device),
             baseline=baseline, gpus=gpus, as_json=as_json, output=output)
     raise typer.Exit(code)

@@ -164,6 +164,20 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
+def busy_note(loadavg: tuple[float, ...] | None = None, cpus: int | None = None) -> str:
+    """A line for a probe about to time this host while other work runs on it ('' when idle or unknown): the
+    1-minute load average against the usable CPUs. Busy figures come out low and stay cached."""
+    try:
+        load = (loadavg or os.getloadavg())[0]
+    except OSError:  # not available on this platform
+        return ""
+    cpus = cpus or usable_cpus()
+    if load < max(2.0, 0.5 * cpus):
+        return ""
+    return (f"this machine is busy (1-minute load {load:.1f} on {cpus} CPUs): the host figures measured now come "
+            "out low and are cached; run `megatrain plan RECIPE --reprobe` when it is idle")
+
+
 def limit_this_thread(threads: int | None) -> None:
     """Cap the intra-op threads of the torch ops the CALLING thread starts (OpenMP team size is a
     per-thread setting: the packer and the optimizer worker each start their own regions, and

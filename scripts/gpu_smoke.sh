@@ -41,6 +41,9 @@ STEPS="train.steps=2 eval.enabled=false logging.dashboard=plain"
 BF16="engine.device=cuda model.dtype=bf16"
 row train-bf16 240 megatrain train $TINY $BF16 $STEPS output_dir=$W/bf16
 BENCH="--steps 2 --warmup 1"
+# The lanes load the host: a probe timed now would be low, and the user's cache would keep it for later benches
+# (a 7B bench after this script was predicted at 4x its step); the rows' probes go to a folder of their own.
+MB="megatrain bench --probe-cache $W/probe"  # every bench row's command
 
 lane1() {
   LANE=1
@@ -69,34 +72,34 @@ lane2() {
   row plan 300 megatrain plan $TINY engine.device=cuda --probe-cache $W/probe
   # The 3B preset: a 7B checkpoint (99 GiB) rightly fails the dry run on a 64 GiB disk (exit 3).
   row dry-run-3b 120 megatrain train recipes/qwen7b.yaml --dry-run model.path=null model.preset=3b
-  row bench-0.5b-native 300 megatrain bench --model 0.5b --seq 2048 --batch 4 $BENCH --baseline native \
+  row bench-0.5b-native 300 $MB --model 0.5b --seq 2048 --batch 4 $BENCH --baseline native \
     --output $W/bench-0.5b-native.json
-  row bench-grpo 400 megatrain bench recipes/grpo-7b.yaml --model 0.5b --steps 1 --warmup 0 \
+  row bench-grpo 400 $MB recipes/grpo-7b.yaml --model 0.5b --steps 1 --warmup 0 \
     grpo.max_new_tokens=32 --output $W/bench-grpo.json
   # A vision-language model: the tiny Qwen2-VL recipe (tower streamed, bf16), then the bench's image rows
   # against the same model whole on the GPU.
   row train-vlm-tiny 240 megatrain train recipes/vlm-tiny.yaml $BF16 $STEPS output_dir=$W/vlm
   row train-vlm-packed 240 megatrain train recipes/vlm-tiny.yaml data.packing=true $BF16 $STEPS output_dir=$W/vlm-packed
-  row bench-vlm-native 300 megatrain bench --model qwen2-vl-tiny --seq 512 --batch 2 $BENCH --baseline native \
+  row bench-vlm-native 300 $MB --model qwen2-vl-tiny --seq 512 --batch 2 $BENCH --baseline native \
     --output $W/bench-vlm-native.json
 }
 lane3() {
   LANE=3
-  row bench-7b-24GiB 400 megatrain bench --model 7b --layers 4 --seq 4096 --batch 8 engine.max_gpu_mem=24GiB $BENCH \
+  row bench-7b-24GiB 400 $MB --model 7b --layers 4 --seq 4096 --batch 8 engine.max_gpu_mem=24GiB $BENCH \
     --output $W/bench-7b-24GiB.json
-  row bench-packed-0.5b 300 megatrain bench --model 0.5b --seq 4096 --batch 4 data.packing=true bench.doc_lengths=data \
+  row bench-packed-0.5b 300 $MB --model 0.5b --seq 4096 --batch 4 data.packing=true bench.doc_lengths=data \
     $BENCH --output $W/bench-packed-0.5b.json
-  row bench-dpo 400 megatrain bench recipes/dpo-7b.yaml --model 0.5b --seq 2048 --batch 2 --steps 1 --warmup 1 \
+  row bench-dpo 400 $MB recipes/dpo-7b.yaml --model 0.5b --seq 2048 --batch 2 --steps 1 --warmup 1 \
     --output $W/bench-dpo.json
-  row bench-long-32k 400 megatrain bench --model 0.5b --seq 32k --batch 1 --steps 1 --output $W/bench-long-32k.json
-  row bench-moe 400 megatrain bench --model qwen3-30b-a3b --layers 2 --seq 2048 --batch 2 $BENCH \
+  row bench-long-32k 400 $MB --model 0.5b --seq 32k --batch 1 --steps 1 --output $W/bench-long-32k.json
+  row bench-moe 400 $MB --model qwen3-30b-a3b --layers 2 --seq 2048 --batch 2 $BENCH \
     --output $W/bench-moe.json
 }
 lane1 & lane2 & lane3 &
 wait
 if [ "$GPUS" -ge 2 ]; then
   LANE=4
-  row bench-gpus-2 400 megatrain bench --gpus 2 --model 0.5b --seq 2048 --batch 2 $BENCH --output $W/bench-gpus-2.json
+  row bench-gpus-2 400 $MB --gpus 2 --model 0.5b --seq 2048 --batch 2 $BENCH --output $W/bench-gpus-2.json
   row train-gpus-2 300 megatrain train $TINY --gpus 2 $STEPS output_dir=$W/dp
 else
   printf '| %-28s | %-8s | %5s | %s |\n' gpus-2 skip - "one GPU on this machine" >>"$LOGS/rows-4.txt"

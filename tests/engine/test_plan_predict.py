@@ -319,3 +319,31 @@ def test_the_engine_probe_runs_a_lean_plan_without_its_checkpoint_placement():
     lt = measure_layer(ModelAdapter(config), micro_batch_size=2, seq_len=32, dtype=torch.float32,
                        device=torch.device("cpu"), lean=plan, reps=1)
     assert lt.tokens == 64 and min(lt.forward_s, lt.recorded_s, lt.backward_s, lt.head_s) > 0
+
+
+def test_a_busy_host_is_named_before_its_probe(tmp_path, monkeypatch):
+    """A probe timed while other work loads the host caches low figures (a session-15 GPU smoke run's did, and a
+    7B bench was then predicted at 4x its step): the probe says so, with the fix, before it measures."""
+    from megatrain_cli import machine
+
+    assert machine.busy_note((1.9, 0, 0), 2) == "" and machine.busy_note((7.9, 0, 0), 16) == ""
+    busy = machine.busy_note((8.0, 0, 0), 16)
+    assert busy == ("this machine is busy (1-minute load 8.0 on 16 CPUs): the host figures measured now come out "
+                    "low and are cached; run `megatrain plan RECIPE --reprobe` when it is idle")
+    for load, said in ((0.3, False), (64.0, True)):
+        monkeypatch.setattr(machine.os, "getloadavg", lambda load=load: (load, 0.0, 0.0))
+        lines = []
+        pb.load_or_probe(cache_dir=tmp_path / str(load), machine_args=SMALL, log=lines.append)
+        named = [line for line in lines if "busy" in line]
+        assert named == ([f"probe: {machine.busy_note((64.0, 0, 0))}"] if said else []), lines
+        if said:  # before the first host figure is timed
+            assert lines[lines.index(named[0]) + 1].startswith("probe: host AdamW"), lines
+
+
+def test_bench_probes_into_the_folder_it_is_given(tmp_path):
+    out = tmp_path / "bench.json"
+    result = megatrain("bench", "--model", "tiny", "--device", "cpu", "model.dtype=fp32", "--seq", "32", "--batch",
+                       "1", "--steps", "1", "--probe-cache", tmp_path / "probe", "--output", out,
+                       "logging.dashboard=off")
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in (tmp_path / "probe").iterdir()] == [f"{pb.cache_key()}.json"]

@@ -245,6 +245,7 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
                     reps: int = 3, log: Callable[[str], None] | None = None) -> MachineFigures:
     """Every machine figure (module doc). `tile_bytes`: the AdamW tile's host bytes (14 per parameter);
     `link_bytes`: each DMA copy; `gemm_n`: the matmul's size. Smaller values make a faster, rougher probe."""
+    from megatrain_cli.machine import busy_note
     from megatrain_cli.optim.host_adamw import HostAdamW
     from megatrain_cli.recipe import TrainConfig
 
@@ -257,6 +258,8 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
     tile = _host_tile(params)
     opt = HostAdamW(TrainConfig(), kernel="auto")
     fig.adamw_kernel = opt.kernel
+    if note := busy_note():  # other work on the host: its figures come out low, and are cached
+        say(f"probe: {note}")
     say(f"probe: host AdamW ({opt.kernel}) over {tile.numel / 1e6:.0f} M params")
     # A process's first host passes run slower (its OpenMP team and pages still cold): the host figures are
     # timed after HOST_WARMUP passes, as a training run's steady state sees them.
