@@ -96,6 +96,6 @@ if [ "$PART" = bench7b ] || [ "$PART" = all ]; then
     done
     # the planner's disk lines for the tiered 7b (its bytes, the I/O a step needs, the folder's probe)
     megatrain train recipes/bench.yaml --dry-run train.optimizer_state=int8 engine.resident_layers=0 store.disk="$DISK" \
-        store.disk_state=moments 2>&1 | grep -E "^disk tier|^planner|^verdict" | tee "$OUT/state-bench-7b-disk-plan.txt"
+        store.disk_state=moments 2>&1 | grep -E "^disk tier|^planner|^verdict|^  - " | tee "$OUT/state-bench-7b-disk-plan.txt"
     rm -rf "$DISK"
 fi
