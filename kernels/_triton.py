@@ -25,6 +25,8 @@ class _TritonMissing:
     def __call__(self, *args, **kwargs):
         if len(args) == 1 and callable(args[0]) and not kwargs:  # `@triton.jit` on a kernel function
             return self
+        if not args and kwargs:  # `@triton.jit(do_not_specialize=...)`: the decorator it makes
+            return self
         self._raise()
 
     def __getitem__(self, grid):  # kernel[grid](...)

@@ -45,6 +45,7 @@ KIND = "adamw_state"
 BLOCK = 64  # store/moments.BLOCK (not imported: kernels know nothing of megatrain_cli; the caller checks it)
 BLOCKS = 16  # int8 blocks per program: 1024 elements, 8 per thread at 4 warps (not tuned on the H200 yet)
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}  # no FMA: torch rounds every product (module docstring)
+KEY_TYPE = 1 << 32  # or-ed into the 32-bit stochastic-rounding keys at launch (the kernel's comment says why)
 
 
 def f32(x: float) -> float:
@@ -61,7 +62,10 @@ def _load_f32(ptr, offs, mask, IS_BF16: tl.constexpr):
     return x
 
 
-@triton.jit
+# Triton compiles a kernel per signature, and types an int argument by its value: i32 below 2^31, i64 above, a
+# specialisation when divisible by 16. Per-step keys would give up to 4^3 signatures, a compile (~1 s) at random
+# steps; not specialised, and lifted above 2^32 (KEY_TYPE: always i64; the kernel uses their low 32 bits), one.
+@triton.jit(do_not_specialize=["key_m", "key_v", "key_p"])
 def _adamw_state_kernel(master_ptr, grad_ptr, m_ptr, v_ptr, m_exp_ptr, v_exp_ptr, clip_ptr, bc2s_ptr,
                         n, decay_numel, origin, key_m, key_v, key_p,
                         w1, beta2, c2, eps, neg_step, decay,
@@ -158,7 +162,7 @@ def adamw_state_update(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.
     grid = (cdiv(cdiv(n, BLOCK), BLOCKS),)
     _adamw_state_kernel[grid](
         _bits_view(master), _bits_view(grad), _bits_view(exp_avg), _bits_view(exp_avg_sq), *exps, *divisors,
-        n, decay_numel, origin, key_m, key_v, 0 if key_p is None else key_p,
+        n, decay_numel, origin, key_m | KEY_TYPE, key_v | KEY_TYPE, (0 if key_p is None else key_p) | KEY_TYPE,
         f32(w1), f32(beta2), f32(c2), f32(eps), f32(neg_step), f32(decay),
         INT8=int8, MASTER_BF16=master.dtype == torch.bfloat16, GRAD_BF16=grad.dtype == torch.bfloat16,
         SR_MASTER=key_p is not None, SCALED=scaled, BLOCKS=BLOCKS, BLOCK=BLOCK,

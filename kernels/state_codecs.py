@@ -32,7 +32,8 @@ def mix32(x):
 @triton.jit
 def random_bits(idx, key):
     """Element `idx`'s (int64) 32 random bits under `key`: mix32((idx ^ key) mod 2^32), as moments.py's
-    mix32_tensor(idx ^ key), whose first step masks to 32 bits (key < 2^32, so its sign never matters)."""
+    mix32_tensor(idx ^ key), whose first step masks to 32 bits (a key's bits above 32, adamw_state's KEY_TYPE,
+    drop out)."""
     return mix32((idx ^ key).to(tl.uint32))
 
 

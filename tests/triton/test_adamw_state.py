@@ -171,6 +171,30 @@ def test_update_state_dispatches_to_kernel_on_cuda(case, n, monkeypatch):
     assert calls == [1, 1, 1]
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs an NVIDIA GPU")
+def test_keys_of_every_step_share_one_compiled_kernel():
+    """Triton types an int argument by its value (i32 / i64) and specialises it (divisible by 16, equal to 1):
+    the keys change every step and tile, and must not make new kernels (a compile each, ~1 s at random steps).
+    One kernel for keys on both sides of 2^31, multiples of 16 and 1; each launch the torch path's bytes."""
+    from triton.runtime import driver
+
+    moments, n = "int8", 4 * BLOCK + 5
+    compiled = adamw_state._adamw_state_kernel.device_caches[driver.active.get_current_device()][0]
+    seen = []
+    for key in (0x9E3779B9, 16, 1, 0x7FFFFFF0, 0x80000000, 5):
+        ref, got = (make_state(n, moments, torch.bfloat16, torch.device("cuda")) for _ in range(2))
+        k = state_adamw.StepConsts.make(1, 1e-3, 0.9, 0.999, 1e-8, 0.1, 1.0)
+        keys = dict(key_m=key, key_v=key ^ 0x10, key_p=key)
+        ref["grad"] = got["grad"] = make_grad(n, 2, torch.bfloat16, torch.device("cuda"))
+        state_adamw.update_state_torch(*sections(ref), moments=moments, decay_numel=DECAY, k=k, origin=0, **keys)
+        state_fused.update(*sections(got), state_adamw._divisors(k, got["master"].device), _no_reference,
+                           moments=moments, decay_numel=DECAY, k=k, origin=0, **keys)
+        assert_same_bytes(got, ref, 1)
+        seen.append(len(compiled))
+    assert seen[1:] == seen[:1] * (len(seen) - 1), f"kernels compiled after each launch: {seen}"
+
+
 # ---------------------------------------------------------------- the codecs alone
 @triton.jit
 def _codec_kernel(code_ptr, decoded_ptr, absmax_ptr, exp_ptr, n, BLOCK: tl.constexpr):
