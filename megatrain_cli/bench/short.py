@@ -101,7 +101,8 @@ def measure(planned, store, engine, run, *, allocator: str = "", log=print, dash
             d2h_gbps=(sum(x.d2h_bytes for x in results) + ckpt_d2h) / wall / 1e9,
             overlap=(1.0 - stall / wall) if dev.type == "cuda" else None, split=split, losses=timed.losses,
             notes=notes, grad_norms=[x.grad_norm for x in results], packed=rows.describe(),
-            images_per_s=getattr(rows, "images_per_step", 0) / step_time)
+            images_per_s=rows.images_in(range(warmup, warmup + steps)) / step_time if isinstance(rows, VisionRows)
+            else 0.0)
         steady = timed.steady_step_s() if run.optimizer else None
         if steady:
             result.steady_step_time_s = steady
@@ -121,7 +122,7 @@ def bench_rows(planned, *, steps: int):
     """The step's rows: a VLM's synthetic chats with images (vision_rows.py), else BenchRows."""
     r, config = planned.r, planned.config
     if getattr(config, "vision_config", None) is not None:
-        return VisionRows(r, config, micro_batches=r.train.grad_accum)
+        return VisionRows(r, config, micro_batches=r.train.grad_accum, steps=steps)
     return BenchRows(r, config.vocab_size, steps=steps, micro_batches=r.train.grad_accum)
 
 
@@ -200,7 +201,7 @@ def bench_native(planned, run, *, log=print) -> BenchResult:
         host_rss_bytes=host_rss_bytes(), host_peak_rss_bytes=peak_rss_bytes(), losses=losses,
         notes=f"bf16 params+grads+AdamW state on the GPU, HF gradient checkpointing, fused AdamW, "
               f"{accum} micro-batch(es) of {rows} rows" + (f"; {vision.describe()}" if vision is not None else ""),
-        images_per_s=vision.images_per_step / step_time if vision is not None else 0.0)
+        images_per_s=vision.images_in(range(warmup, warmup + steps)) / step_time if vision is not None else 0.0)
     del model, opt
     gc.collect()
     torch.cuda.empty_cache()

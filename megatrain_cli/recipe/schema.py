@@ -335,8 +335,8 @@ class BenchConfig:
     doc_len_spread: float = doc("Sigma of the log-normal of the synthetic lengths: 0 makes every document "
                                 "bench.doc_len_mean tokens long; 1 is the long tail of chat and instruction data.",
                                 1.0)
-    images_per_row: int = doc("A vision-language model's bench rows: synthetic images per row (bench/vision_rows.py).",
-                              1)
+    images_per_row: int = doc("A vision-language model's bench rows: synthetic images per row (bench/vision_rows.py); "
+                              "with data.packing, per document (bench.doc_len_mean sets the documents' text).", 1)
     image_size: int = doc("A vision-language model's bench images: pixels a side (448: 1024 patches, 256 tokens for "
                           "Qwen2-VL).", 448)
 

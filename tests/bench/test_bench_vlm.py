@@ -24,7 +24,7 @@ def test_rows_hold_images_of_the_asked_size_and_no_loss_on_them():
     config = bench_model_config(r)
     rows = VisionRows(r, config, micro_batches=2)
     mbs = rows(0)
-    assert len(mbs) == 2 and rows.images_per_step == 2 * 2 * 2
+    assert len(mbs) == 2 and rows.images_in([0]) == 2 * 2 * 2 and mbs[0].position_ids is None
     mb = mbs[0]
     assert (mb.input_ids == config.image_token_id).sum(1).tolist() == [2 * 16] * 2  # 112 px: 8x8 patches / 4
     assert mb.images["pixel_values"].shape == (2 * 2 * 64, 3 * 2 * 14 * 14)
@@ -40,3 +40,40 @@ def test_bench_trains_the_tower_and_reports_images_per_second():
     assert res.tokens_per_s > 0 and res.images_per_s == pytest.approx(2 / res.step_time_s)
     assert len(res.losses) == 2 and all(l > 0 for l in res.losses)
     assert "images/s" in format_table([res]) and "112x112 px" in res.packed
+
+
+def test_packed_rows_hold_whole_image_chats_back_to_back():
+    """data.packing: documents (one text token, the images, text) packed into rows as `train` packs them,
+    positions restarting at each document, the padding tail continuing the last; images in document order."""
+    r = vlm_recipe(**{"data.packing": "true", "bench.doc_len_mean": 30, "bench.doc_len_spread": 0.5})
+    config = bench_model_config(r)
+    rows = VisionRows(r, config, micro_batches=2, steps=3)
+    image, start = config.image_token_id, config.vision_start_token_id
+    docs = 0
+    for s in range(3):
+        mbs = rows(s)
+        assert rows.images_in([s]) == sum(mb.images["image_grid_thw"].shape[0] for mb in mbs)
+        for mb in mbs:
+            pos = mb.position_ids
+            assert torch.equal(pos[:, 1:] == 0, pos[:, 1:] != pos[:, :-1] + 1)  # a restart is a 0, nothing else
+            for row in range(2):
+                firsts = (pos[row] == 0).nonzero().flatten().tolist()
+                assert all(mb.input_ids[row, f + 1] == start for f in firsts)  # each chat: a token, then its image
+                assert int((mb.input_ids[row] == image).sum()) == 16 * len(firsts)
+                docs += len(firsts)
+            assert mb.images["image_grid_thw"].shape[0] == int((mb.position_ids == 0).sum())
+            assert mb.images["pixel_values"].shape[0] == 64 * mb.images["image_grid_thw"].shape[0]
+            assert not ((mb.labels != IGNORE_INDEX) & (mb.input_ids == image)).any()
+    assert docs > 3 * 2 * 2 * 2, "several documents a row"
+    assert rows.attended_per_step([0]) < 2 * 2 * 96 ** 2  # attention within documents only
+    assert "documents/row" in rows.describe() and "per document" in rows.describe()
+    with pytest.raises(ValueError, match="bench.doc_lengths=data: a vision-language model's bench builds synthetic"):
+        VisionRows(vlm_recipe(**{"data.packing": "true", "bench.doc_lengths": "data"}), config, micro_batches=1)
+
+
+def test_a_packed_bench_counts_the_images_its_rows_hold():
+    lines = []
+    res = run_bench(vlm_recipe(**{"data.packing": "true", "bench.doc_len_mean": 30}), BenchRun(steps=1, warmup=1),
+                    log=lines.append)
+    assert res.tokens_per_s > 0 and res.images_per_s * res.step_time_s > 2  # more than one image a row
+    assert "documents/row" in res.packed and "1 packed documents a row" not in "\n".join(lines)
