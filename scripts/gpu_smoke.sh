@@ -3,10 +3,10 @@
 # train (bf16 / fp32 / bf16 masters, resident auto / 0 / N, DPO, GRPO), bench with and without engine.max_gpu_mem,
 # packed rows, the preference and GRPO benches, the long-context path, mixture of experts, eval resident and
 # streamed, export, `megatrain plan`, the low optimizer-state options and the disk tier, a vision-language model
-# (train one example a row and packed, bench), and `--gpus 2` where two GPUs are present. The first row runs
-# alone (it compiles the C++ AdamW); the rest run in three lanes at once (rows that read another's output share
-# its lane), so a row's wall and a bench's figure include the other lanes' load: they say the path works, not how
-# fast. Exit non-zero when any row fails; a summary table last.
+# (train one example a row and packed, bench one a row and packed), and `--gpus 2` where two GPUs are present.
+# The first row runs alone (it compiles the C++ AdamW); the rest run in three lanes at once (rows that read
+# another's output share its lane), so a row's wall and a bench's figure include the other lanes' load: they say
+# the path works, not how fast. Exit non-zero when any row fails; a summary table last.
 # Usage (on the GPU machine, repository root): bash scripts/gpu_smoke.sh   Logs: $OUT/smoke (or ./gpu-logs).
 set -u
 OUT=${OUT:-gpu-logs}; LOGS="$OUT/smoke"; mkdir -p "$LOGS"
@@ -82,6 +82,8 @@ lane2() {
   row train-vlm-packed 240 megatrain train recipes/vlm-tiny.yaml data.packing=true $BF16 $STEPS output_dir=$W/vlm-packed
   row bench-vlm-native 300 $MB --model qwen2-vl-tiny --seq 512 --batch 2 $BENCH --baseline native \
     --output $W/bench-vlm-native.json
+  row bench-vlm-packed 300 $MB --model qwen2-vl-tiny --seq 512 --batch 2 data.packing=true bench.image_size=224 \
+    bench.doc_len_mean=150 $BENCH --output $W/bench-vlm-packed.json
 }
 lane3() {
   LANE=3
