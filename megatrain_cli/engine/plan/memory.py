@@ -85,11 +85,12 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
               grad_accum: int, checkpoint_interval: int, grad_slabs: int, layer_slots: int = 2,
               loss_chunk_tokens: int = 4096, device_type: str = "cuda", keep_blocks: int = 0,
               resident_layers: int = 0, master_dtype: torch.dtype = torch.float32, moments: str = "fp32",
-              device_figures: bool = True, disk_state: str | None = None) -> MemoryPlan:
+              device_figures: bool = True, disk_state: str | None = None, rollout_bytes: int = 0) -> MemoryPlan:
     """The plan; `keep_blocks`: how many of the last blocks keep their activations (no recompute);
     `resident_layers`: how many of the first layers keep their optimizer state on the device;
     `master_dtype`: train.master_weights; `moments`: train.optimizer_state; `device_figures` False: the host
-    figures alone (a lean path); `disk_state`: what the disk tier holds (store.disk_state; None: nothing)."""
+    figures alone (a lean path); `disk_state`: what the disk tier holds (store.disk_state; None: nothing);
+    `rollout_bytes`: GRPO's rollouts' own device bytes (rollout_memory.py; 0: no rollouts)."""
     store = HostStore(adapter, compute_dtype, allocate=False, master_dtype=master_dtype, moments=moments,
                       disk_state=disk_state)
     n = store.num_params()
@@ -125,7 +126,8 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
     if device_figures:
         _device_figures(plan, store, width, micro_batch_size=micro_batch_size, seq_len=seq_len,
                         grad_accum=grad_accum, checkpoint_interval=checkpoint_interval, layer_slots=layer_slots,
-                        loss_chunk_tokens=loss_chunk_tokens, keep_blocks=keep_blocks, resident_layers=resident_layers)
+                        loss_chunk_tokens=loss_chunk_tokens, keep_blocks=keep_blocks, resident_layers=resident_layers,
+                        rollout_bytes=rollout_bytes)
     plan.keep_blocks = keep_blocks
     counts = transfers_per_layer(build_schedule(layers, checkpoint_interval, kept_block_ids(len(bl), keep_blocks)),
                                  layer_slots)
@@ -139,7 +141,7 @@ def make_plan(adapter: ModelAdapter, compute_dtype: torch.dtype, *, micro_batch_
 
 def _device_figures(plan: MemoryPlan, store: HostStore, width: int, *, micro_batch_size: int, seq_len: int,
                     grad_accum: int, checkpoint_interval: int, layer_slots: int, loss_chunk_tokens: int,
-                    keep_blocks: int, resident_layers: int) -> None:
+                    keep_blocks: int, resident_layers: int, rollout_bytes: int = 0) -> None:
     """The short-context engine's device peak, term by term, into plan.device."""
     adapter = store.adapter
     h, layers, vocab = adapter.hidden_size, adapter.num_layers, adapter.vocab_size
@@ -176,6 +178,10 @@ def _device_figures(plan: MemoryPlan, store: HostStore, width: int, *, micro_bat
         plan.device["loss chunk logits + grads"] = loss_chunk
     else:
         plan.device["recomputed block activations (estimate)"] = recomputed
+    # GRPO's rollouts run before the step's forward: only what they need beyond its activations adds to the peak
+    activations = plan.device["activation checkpoints (estimate)"] + max(kept + loss_chunk, recomputed)
+    if rollout_bytes > activations:
+        plan.device["GRPO rollouts: KV caches + prefill, beyond the step's activations"] = rollout_bytes - activations
 
 
 def host_state_line(adapter: ModelAdapter, compute_dtype: torch.dtype, master_dtype: torch.dtype,

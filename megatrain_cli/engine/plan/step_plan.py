@@ -31,6 +31,7 @@ from megatrain_cli.engine.plan.disk_tier import choose_disk_state
 from megatrain_cli.engine.plan.lean import LeanPlan, fmt_bytes, plan_for_training, plan_memory_lean, refusal
 from megatrain_cli.engine.plan.memory import (MemoryPlan, device_problem, host_problems, kept_block_ids, make_plan,
                                               resident_device_bytes, resolve_keep_blocks, resolve_resident_layers)
+from megatrain_cli.engine.plan.rollout_memory import recipe_rollout_bytes, rollout_problem
 from megatrain_cli.engine.schedule import blocks
 from megatrain_cli.machine import HostLimit, effective_host_limit
 from megatrain_cli.recipe import Recipe, parse_bytes
@@ -145,6 +146,7 @@ class _Setup:
                     grad_slabs=e.grad_slabs, layer_slots=e.layer_slots, loss_chunk_tokens=e.loss_chunk_tokens,
                     device_type=device.type, master_dtype=MASTER_DTYPES[t.master_weights],
                     moments=t.optimizer_state)
+        args["rollout_bytes"] = recipe_rollout_bytes(r, adapter, torch.finfo(args["compute_dtype"]).bits // 8)
         args["disk_state"], note = choose_disk_state(r, args, check_host=not store_built)
         store = HostStore(adapter, args["compute_dtype"], allocate=False, master_dtype=args["master_dtype"],
                           moments=t.optimizer_state, disk_state=args["disk_state"])
@@ -170,6 +172,15 @@ class _Setup:
     @property
     def width(self) -> int:
         return torch.finfo(self.args["compute_dtype"]).bits // 8
+
+    def rollout_room(self, resident: int) -> str:
+        """'' when GRPO's rollouts (none: '') fit the device beside `resident` layers, else the problem."""
+        if not self.args["rollout_bytes"] or self.budget is None:
+            return ""
+        t = self.r.train
+        return rollout_problem(make_plan(**self.args).device, resident_device_bytes(self.store, resident, self.width),
+                               self.args["rollout_bytes"], self.budget, rows=t.micro_batch_size * t.grad_accum,
+                               seq_len=t.seq_len, resident=resident)
 
     def host_problems(self, memory: MemoryPlan) -> list[str]:
         """The host-memory problems with the ceiling they were measured against ([] once the store is built)."""
@@ -210,8 +221,9 @@ def _candidates(s: _Setup) -> Iterator[StepPlan]:
     path = (f"path: short-context engine (train.seq_len {t.seq_len} < {threshold}; checkpoint interval "
             f"{e.checkpoint_interval}{_resident(resident)})")
     kept = kept_block_ids(len(blocks(s.adapter.num_layers, e.checkpoint_interval)), keep)
+    rollouts = s.rollout_room(resident)
     yield s.plan(memory, e.checkpoint_interval, e.loss_chunk_tokens, kept, None, resident, path,
-                 host + ([too_big] if too_big else []))
+                 host + ([too_big] if too_big else []) + ([rollouts] if rollouts else []))
     if too_big and lean_ok:
         yield _memory_lean(s, memory, s.lean_resident)
 
@@ -222,6 +234,8 @@ def _more_resident(s: _Setup, resident: int) -> Iterator[StepPlan]:
     t, e = s.r.train, s.r.engine
     whole_chunk = min(e.loss_chunk_tokens, t.micro_batch_size * t.seq_len)
     for n in range(s.adapter.num_layers, resident, -1):
+        if s.rollout_room(n):
+            continue  # GRPO's rollouts would not fit beside n resident layers
         keep = resolve_keep_blocks(e.keep_activations, s.budget, **s.args, resident_layers=n)
         memory = make_plan(**s.args, keep_blocks=keep, resident_layers=n)
         if not device_problem(memory, device=s.device, device_budget=s.budget):
@@ -261,6 +275,7 @@ def _memory_lean(s: _Setup, short: MemoryPlan, resident: int) -> StepPlan:
                         f"{refusal(lean)}. Use a smaller train.micro_batch_size, train.grad_accum or "
                         f"train.seq_len, or a larger engine.max_gpu_mem; `megatrain train RECIPE --dry-run` "
                         f"shows both plans.")
+    problems += [p for p in [s.rollout_room(resident)] if p]
     return s.plan(memory, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, resident, path,
                   problems)
 
