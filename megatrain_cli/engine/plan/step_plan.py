@@ -297,6 +297,7 @@ def _long_context(s: _Setup, resident: int, like: LeanPlan | None) -> StepPlan:
         problems.append(f"long context: {refusal(lean)}. Use a shorter train.seq_len, a smaller "
                         f"train.micro_batch_size or train.grad_accum, or a larger engine.max_gpu_mem; "
                         f"`megatrain train RECIPE --dry-run` shows the plan.")
+    problems += [p for p in [s.rollout_room(resident)] if p]
     return s.plan(memory, lean.checkpoint_interval, lean.loss_chunk_tokens, frozenset(), lean, resident, path,
                   problems)
 
