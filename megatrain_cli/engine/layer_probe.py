@@ -26,6 +26,7 @@ from megatrain_cli.engine.plan.lean import LeanPlan
 from megatrain_cli.engine.plan.probe import LayerTiming
 from megatrain_cli.engine.plan.step_plan import StepPlan
 from megatrain_cli.engine.step import Engine
+from megatrain_cli.engine.vision_probe import measure_tower
 from megatrain_cli.recipe import EngineConfig, TrainConfig
 
 
@@ -35,8 +36,8 @@ def cut_config(adapter):
     types = adapter.layer_types
     distinct = list(dict.fromkeys(types))
     whole = adapter.config.to_dict()
-    # A vision-language model: its decoder's numbers are in text_config; its tower is cut to one layer (the
-    # probe times decoder layers; the tower is not priced yet, docs/vlm.md)
+    # A vision-language model: its decoder's numbers are in text_config; its tower is cut to one layer (every
+    # tower layer is one class and shape: engine/vision_probe.py times that one)
     data = whole["text_config"] if "vision_config" in whole else whole
     data["num_hidden_layers"] = len(distinct)
     if getattr(adapter.text_config, "layer_types", None) is not None:
@@ -132,11 +133,13 @@ class OpClock:
 
 def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
                   kernels: str = "torch", loss_chunk_tokens: int = 4096, lean: LeanPlan | None = None,
-                  docs_per_row: int | None = None, reps: int = 3, warmup: int = 1, seed: int = 0) -> LayerTiming:
+                  docs_per_row: int | None = None, vision_images: tuple[int, int] | None = None, reps: int = 3,
+                  warmup: int = 1, seed: int = 0) -> LayerTiming:
     """The engine's per-layer, head and fixed times at micro_batch_size x seq_len (one micro-batch), the
     layers weighted by how many of the model's layers each stands for. `lean`: the recipe's lean plan
     (MLP chunk, lean norms, loss chunk), run here with no checkpoint offloaded or dropped. `docs_per_row`:
-    packed rows of that many equal documents (position ids restarting at each), attention within each."""
+    packed rows of that many equal documents (position ids restarting at each), attention within each.
+    `vision_images`: a VLM's (images a micro-batch, patches a side): one tower layer timed too (vision_probe.py)."""
     from megatrain_cli.models.loader import build_store
 
     config, counts = cut_config(adapter)
@@ -153,6 +156,7 @@ def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.
     clock = OpClock(engine)
     vocab = engine.adapter.vocab_size
     samples: dict[str, list[float]] = {}
+    tower = (0.0, 0.0)  # no images: the tower does no work
     pos = None if docs_per_row is None else \
         (torch.arange(seq_len) % -(-seq_len // docs_per_row)).expand(micro_batch_size, seq_len).contiguous()
     try:
@@ -169,6 +173,9 @@ def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.
                 per[key] = per.get(key, 0.0) + took
             for key, took in per.items():
                 samples.setdefault(key, []).append(took)
+        if vision_images and vision_images[0] and engine.vision is not None:
+            images, grid = vision_images
+            tower = measure_tower(engine, images=images, grid=grid, reps=reps, warmup=warmup)
     finally:
         engine.close()
         del engine, store
@@ -183,4 +190,5 @@ def measure_layer(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.
 
     return LayerTiming(forward_s=per_layer("forward"), backward_s=per_layer("backward"),
                        tokens=micro_batch_size * seq_len, device=device.type, recorded_s=per_layer("recompute"),
-                       head_s=med.get("head", 0.0), fixed_s=med.get("fixed", 0.0))
+                       head_s=med.get("head", 0.0), fixed_s=med.get("fixed", 0.0), vision_forward_s=tower[0],
+                       vision_backward_s=tower[1])

@@ -30,6 +30,23 @@ from megatrain_cli.engine.templates import run_bound
 from megatrain_cli.models.vision import EMBED, PROJECTOR, vision_tile
 
 
+def tower_forward(template, weights: dict, hidden: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+    """One tower layer's forward without a graph (the step's forward; the planner's probe times this)."""
+    with torch.no_grad():
+        return run_bound(template, weights, hidden, *args, **kwargs)
+
+
+def tower_backward(template, weights: dict, hidden: torch.Tensor, args: tuple, kwargs: dict,
+                   grad: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """One tower layer's backward as the step runs it: recompute with autograd from its kept input, then the
+    backward; (d hidden, each weight's gradient). The planner's probe times this same code."""
+    x = hidden.detach().requires_grad_()
+    with torch.enable_grad():
+        y = run_bound(template, weights, x, *args, **kwargs)
+        out = torch.autograd.grad(y, [x, *weights.values()], grad)
+    return out[0], dict(zip(weights, out[1:]))
+
+
 class _StreamedLayer(torch.autograd.Function):
     """One tower layer: forward without a graph (input kept), backward = stream in, recompute, backward."""
 
@@ -84,20 +101,14 @@ class VisionPhase:
         return self.engine.weight_views(tile, self.engine.acquire(tile), grad=grad)
 
     def layer_forward(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
-        with torch.no_grad():
-            return run_bound(self._templates[self._structure[index]], self._bound(index, False), hidden, *args,
-                             **kwargs)
+        return tower_forward(self._templates[self._structure[index]], self._bound(index, False), hidden, args, kwargs)
 
     def layer_backward(self, index: int, hidden: torch.Tensor, args: tuple, kwargs: dict,
                        grad: torch.Tensor) -> torch.Tensor:
-        tile, engine = vision_tile(index), self.engine
         w = self._bound(index, True)
-        x = hidden.detach().requires_grad_()
-        with torch.enable_grad():
-            y = run_bound(self._templates[self._structure[index]], w, x, *args, **kwargs)
-            out = torch.autograd.grad(y, [x, *w.values()], grad)
-        self._send(tile, dict(zip(w, out[1:])))
-        return out[0]
+        dx, grads = tower_backward(self._templates[self._structure[index]], w, hidden, args, kwargs, grad)
+        self._send(vision_tile(index), grads)
+        return dx
 
     def _send(self, tile: str, grads: dict[str, torch.Tensor]) -> None:
         acc = self.engine.grad_zeros(tile)

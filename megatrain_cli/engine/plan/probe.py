@@ -9,18 +9,14 @@ What predict.py needs and nothing else:
               after a clipped step); the packer's fp32 -> bf16 cast into pinned memory, elements/s
     device    bf16 GEMM TFLOP/s (an N x N x N matmul) and device memory bandwidth (a device-to-device
               copy: what an AdamW over resident layers is bound by)
-    layer     the engine's own ops at the recipe's micro-batch x sequence (packed rows: equal documents of
-              the data's attention work, docs_per_row), per micro-batch: a layer's
-              forward (no autograd), its recorded forward (autograd: a recompute, or a kept block's
-              forward), its backward, the head, and the step's fixed work (inputs, embedding backward);
-              measured by engine/layer_probe.py (the engine cannot be imported from here, so callers pass
-              its `measure_layer` to load_or_probe) over one layer of each structure, weighted by count
+    layer     the engine's own ops at the recipe's micro-batch x sequence (packed rows: docs_per_row equal
+              documents), per micro-batch: a layer's forward (no autograd), recorded forward (a recompute or a
+              kept block's), backward, the head, the fixed work, a VLM's tower layer (engine/vision_probe.py); by
+              engine/layer_probe.py (passed in as `measure_layer`) over one layer of each structure, by count
 
-On a machine without CUDA the link and device figures are None (unknown) and the layer is timed only when
-the recipe computes on the CPU. The cache is one JSON file per machine (`cache_key`: host name, GPU name,
-torch version) under the user's cache directory; layer timings sit in it under their own key (model shape,
-tokens, dtype, device, kernels, loss chunk, lean plan). `load_or_probe(..., reprobe=True)` measures again and
-replaces the file.
+On a machine without CUDA the link and device figures are None (unknown) and the layer is timed only when the
+recipe computes on the CPU. The cache: one JSON file per machine (`cache_key`: host, GPU, torch) in the user's
+cache directory, layer timings under their own key (`layer_key`); `load_or_probe(..., reprobe=True)` measures again.
 """
 
 from __future__ import annotations
@@ -39,8 +35,8 @@ from typing import Callable
 
 import torch
 
-# 2: layer timings measured through the engine (recorded forward, head, fixed); 3: the coded states' own rates
-CACHE_VERSION = 3
+# 2: engine-timed layers (recorded, head, fixed); 3: coded states' rates; 4: a VLM's tower layer (v3 priced it at 0)
+CACHE_VERSION = 4
 # Bytes of host memory traffic per parameter of the measured HostAdamW.update (optim/adamw_cpp.py: the C++
 # pass reads p, m, v and a bf16 g and writes p, m, v; the torch path also widens g through fp32 scratch).
 UPDATE_BYTES = {"cpp": 26.0, "torch": 34.0}
@@ -67,6 +63,8 @@ class LayerTiming:
     recorded_s: float | None = None  # the forward with autograd (a recompute, a kept block's forward); None: forward_s
     head_s: float | None = None  # final norm + chunked loss, forward and backward; None: from the layer's FLOP rate
     fixed_s: float = 0.0  # the step's inputs (embedding rows, masks) and the embedding's backward
+    vision_forward_s: float = 0.0  # one tower layer over a micro-batch's images (vision_probe.py); 0: no images
+    vision_backward_s: float = 0.0  # its recompute + backward, as vision_phase runs them
 
     @property
     def recorded(self) -> float:
@@ -149,7 +147,8 @@ def cache_key() -> str:
 
 
 def layer_key(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtype, device: torch.device,
-              kernels: str, loss_chunk_tokens: int = 4096, lean=None, docs_per_row: int | None = None) -> str:
+              kernels: str, loss_chunk_tokens: int = 4096, lean=None, docs_per_row: int | None = None,
+              vision_images: tuple[int, int] | None = None) -> str:
     """The model's layer shapes (every distinct structure), its attention code, its head, the step's shape and
     how the engine runs it (kernels, loss chunk, a lean plan's MLP chunk and norms): a layer timing is reused
     only for the same work. Stable across processes (hashlib, not hash())."""
@@ -162,6 +161,7 @@ def layer_key(adapter, *, micro_batch_size: int, seq_len: int, dtype: torch.dtyp
     way = f"loss{loss_chunk_tokens}" if lean is None else \
         f"lean-loss{lean.loss_chunk_tokens}-mlp{lean.mlp_chunk_tokens or 0}{'-norms' if lean.lean_norms else ''}"
     docs = "" if docs_per_row is None else f"-{docs_per_row}docs"  # packed rows: attention within documents
+    docs += "" if not vision_images else "-img{}x{}".format(*vision_images)  # images a micro-batch x grid side
     return (f"{adapter.model_type}-{digest}-{micro_batch_size}x{seq_len}{docs}-{str(dtype).removeprefix('torch.')}-"
             f"{device.type}-{kernels}-{way}")
 
@@ -336,18 +336,18 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def recipe_shape(r, device: torch.device, plan=None, docs: int | None = None) -> dict:
+def recipe_shape(r, device: torch.device, plan=None, docs: int | None = None, images=None) -> dict:
     """The layer-timing keys of recipe `r` on `device` (micro-batch, sequence, compute dtype, the kernels the
     engine will run, its loss chunk, and `plan`'s lean plan when it has one): what `plan`, `bench` and `train`
-    pass to load_or_probe / read_cached. `docs`: packed rows' docs_per_row (None: one document per row, how a
-    packed recipe is priced before its data is read)."""
+    pass to load_or_probe / read_cached. `docs`: packed rows' docs_per_row (None: one document per row, as a packed
+    recipe before its data is read); `images`: a VLM's (images a micro-batch, patches a side), None: no tower."""
     from megatrain_cli.engine import kernel_patch
     from megatrain_cli.engine.plan.step_plan import DTYPES
 
     return dict(micro_batch_size=r.train.micro_batch_size, seq_len=r.train.seq_len, dtype=DTYPES[r.model.dtype],
                 device=device, kernels=kernel_patch.resolve(r.engine.kernels, device),
                 loss_chunk_tokens=r.engine.loss_chunk_tokens, lean=getattr(plan, "lean", None),
-                docs_per_row=docs if r.data.packing else None)
+                docs_per_row=docs if r.data.packing else None, vision_images=images)
 
 
 def read_cached(adapter, *, cache_dir: Path | str | None = None, **shape) -> Probe | None:
