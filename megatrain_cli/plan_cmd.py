@@ -16,6 +16,7 @@ import torch
 from megatrain_cli.engine.plan.predict import GiB, Prediction, choose, fmt_s, interval_label, overrides
 from megatrain_cli.engine.plan.probe import MachineFigures, Probe, load_or_probe, recipe_shape
 from megatrain_cli.recipe import Recipe
+from megatrain_cli.train.predicted import vision_part
 
 ROWS = 8  # runners-up shown: enough to see the trade-off, short enough to read
 
@@ -174,19 +175,22 @@ def _total(p: Prediction) -> str:
 def _parts(p: Prediction) -> str:
     ph, pa = p.phases, p.parts
     return (f"forward {fmt_s(ph['forward'])}, head {fmt_s(ph['head'])}, backward {fmt_s(ph['backward'])}, "
-            f"not overlapped {fmt_s(ph['serial'])}; busy: GPU {fmt_s(pa['gpu'])}, PCIe {fmt_s(pa['pcie'])}, "
-            f"host {fmt_s(pa['host'])}")
+            f"not overlapped {fmt_s(ph['serial'])}{vision_part(ph)}; busy: GPU {fmt_s(pa['gpu'])}, "
+            f"PCIe {fmt_s(pa['pcie'])}, host {fmt_s(pa['host'])}")
 
 
 def table(preds: list[Prediction]) -> str:
+    vlm = bool(preds) and "vision" in preds[0].phases  # a VLM: its tower's phase in a column of its own
     head = (f"{'':2}{'interval':>12} {'kept':>5} {'resident':>8} {'dev GiB':>8} {'s/step':>9} {'fwd':>7} {'head':>7} "
-            f"{'bwd':>7} {'serial':>7} {'GPU':>7} {'PCIe':>7} {'host':>7}  fits")
+            f"{'bwd':>7} {'serial':>7}{' vision' if vlm else ''} {'GPU':>7} {'PCIe':>7} {'host':>7}  fits")
     rows = [head]
     for i, p in enumerate(preds):
         c, ph, pa = p.candidate, p.phases, p.parts
+        vision = f"{fmt_s(ph.get('vision')):>6} " if vlm else ""
         rows.append(f"{'*' if i == 0 and p.fits else ' ':2}{interval_label(c):>12} {c.keep_blocks:>5} "
                     f"{c.resident_layers:>8} {p.device_bytes / GiB:8.2f} {_total(p):>9} {fmt_s(ph['forward']):>7} "
                     f"{fmt_s(ph['head']):>7} {fmt_s(ph['backward']):>7} {fmt_s(ph['serial']):>7} "
+                    f"{vision}"
                     f"{fmt_s(pa['gpu']):>7} {fmt_s(pa['pcie']):>7} {fmt_s(pa['host']):>7}  "
                     f"{'yes' if p.fits else 'no'}")
     return "\n".join(rows)

@@ -16,16 +16,18 @@ from megatrain_cli.engine.plan.probe import Probe
 
 
 def probe_for(planned, *, cache_dir: str | Path | None = None, log=print) -> Probe:
-    """This machine's figures and the layer's timing at the row's shape, packed rows' documents included
-    (measured now when not cached)."""
+    """This machine's figures and the layer's timing at the row's shape, packed rows' documents and a VLM's
+    images (its tower's timing) included (measured now when not cached)."""
     from megatrain_cli.bench.loop import probe_docs
+    from megatrain_cli.bench.vision_rows import VisionRows
     from megatrain_cli.engine.layer_probe import measure_layer, to_measure
     from megatrain_cli.engine.plan.probe import default_cache_dir, load_or_probe, recipe_shape
     from megatrain_cli.models.adapter import ModelAdapter
     from megatrain_cli.train.preflight import check_output_dir
 
     adapter = ModelAdapter(planned.config)
-    shape = recipe_shape(planned.r, planned.device, planned.plan, probe_docs(planned.r, adapter.vocab_size))
+    images = VisionRows(planned.r, planned.config, micro_batches=1).probe_images if adapter.vision else None
+    shape = recipe_shape(planned.r, planned.device, planned.plan, probe_docs(planned.r, adapter.vocab_size), images)
     if any(to_measure(adapter, cache_dir=cache_dir, **shape)):  # its figures go to the cache after measuring
         check_output_dir(cache_dir or default_cache_dir(), "bench: the probe cache", "move that file or make the "
                          "folder writable (the planner's probe, whose prediction each row records, writes there)")
@@ -51,6 +53,8 @@ def summary(predicted: dict, measured_s: float, steady_s: float) -> str:
     if step is None:
         return f"no prediction: unknown {', '.join(predicted['unknown'])}"
     ref = steady_s or measured_s
-    return (f"predicted {step:.3f} s/step for a{' ' if predicted['clipped'] else 'n un'}clipped step, measured "
+    vision = predicted["phases"].get("vision")  # a VLM's tower, inside the step
+    tower = "" if vision is None else f" (the vision tower {vision:.3f} of it)"
+    return (f"predicted {step:.3f} s/step{tower} for a{' ' if predicted['clipped'] else 'n un'}clipped step, measured "
             f"{measured_s:.3f} (steady {steady_s:.3f}): {step / ref - 1:+.0%} against "
             f"{'steady' if steady_s else 'measured'}")

@@ -65,6 +65,13 @@ class VisionRows:
         order = torch.randperm(len(packed), generator=torch.Generator().manual_seed(r.train.seed)).tolist()
         return lengths, [packed[i] for i in order]
 
+    @property
+    def probe_images(self) -> tuple[int, int] | None:
+        """The planner probe's tower shape (engine/plan/probe.recipe_shape): (images a micro-batch, patches a
+        side); packed, the rows' mean documents' images. None: no images in a row, no tower work."""
+        docs = 1.0 if self.packed is None else sum(map(len, self.packed[1])) / len(self.packed[1])
+        return (max(1, round(self.batch * docs * self.per_row)), self.grid) if self.per_row else None
+
     def images_in(self, steps) -> float:
         """Images a step, the mean over these steps (each row's documents' images when packed)."""
         return sum(self.images[s] for s in steps) / len(steps)

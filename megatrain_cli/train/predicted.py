@@ -43,8 +43,17 @@ def describe(pred) -> str:
     packed = "" if not pred.packed else f"; packed rows' attention priced {pred.packed}" + (
         "" if pred.packed == "within documents" else ": `megatrain plan RECIPE` times this data's documents")
     return (f"planner: predicted {pred.total:.3f} s/step for this plan (forward {ph['forward']:.3f}, head "
-            f"{ph['head']:.3f}, backward {ph['backward']:.3f}, not overlapped {ph['serial']:.3f}{packed}; "
-            f"docs/planner.md)")
+            f"{ph['head']:.3f}, backward {ph['backward']:.3f}, not overlapped {ph['serial']:.3f}"
+            f"{vision_part(ph)}{packed}; docs/planner.md)")
+
+
+def vision_part(phases: dict) -> str:
+    """A VLM's tower in a prediction's parts ('' for a text model). 0: priced as text rows, which is all `train`
+    and `plan` know until they read the data's image sizes (`megatrain bench` times its images)."""
+    v = phases.get("vision", "")
+    if v == "" or v is None:
+        return "" if v == "" else ", vision ?"
+    return f", vision {v:.3f}" + ("" if v else " (text rows: the data's images are not priced yet, docs/vlm.md)")
 
 
 def disk_lines(r, plan, pred) -> list[str]:

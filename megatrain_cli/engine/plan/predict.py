@@ -15,6 +15,7 @@ host AdamW in its own thread), so a phase lasts as long as its slowest resource:
               of each tile as it lands when the step is not clipped (speculation))
     serial    the embedding's update before the next forward gathers its rows; without the optimizer
               thread (overlap_optimizer off, or on the CPU) every update, after the backward
+    vision    a VLM's tower (its streamed layers' forward, recompute + backward, updates): vision_terms.py
 
 GPU times come from the probe's timing of the engine's own ops (engine/layer_probe.py), per micro-batch times
 micro-batches: a streamed layer's forward, a recorded forward (each recomputed layer's, and a kept block's
@@ -43,6 +44,7 @@ import torch
 
 from megatrain_cli.engine.plan.lean_terms import checkpoint_bytes
 from megatrain_cli.engine.plan.probe import LayerTiming, MachineFigures, coded_key, recipe_shape
+from megatrain_cli.engine.plan.vision_terms import PerParam, TowerFigures, frozen_of, tower_phase
 from megatrain_cli.engine.schedule import blocks, build_schedule, transfers_per_layer
 from megatrain_cli.store.moments import moment_bytes_per_param
 from megatrain_cli.store.tiles import HostStore
@@ -79,14 +81,15 @@ class ModelFigures:
     lm_head_params: int  # vocab x hidden: what the head multiplies by, tied or not
     hidden: int
     width: int  # bytes per weight of the compute dtype (what crosses PCIe)
+    tower: TowerFigures | None = None  # a VLM's vision tower (vision_terms.py); None: a text model
 
     @classmethod
-    def of(cls, adapter, dtype: torch.dtype) -> "ModelFigures":
+    def of(cls, adapter, dtype: torch.dtype, frozen: frozenset = frozenset()) -> "ModelFigures":
         store = HostStore(adapter, dtype, allocate=False)
         layers = sum(store.layouts[n].numel for n in store.layer_names)
         return cls(adapter.num_layers, layers / adapter.num_layers, store.layouts["head"].numel,
                    store.layouts["embed"].numel, adapter.vocab_size * adapter.hidden_size, adapter.hidden_size,
-                   torch.finfo(dtype).bits // 8)
+                   torch.finfo(dtype).bits // 8, TowerFigures.of(adapter, store.layouts, frozen))
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,7 @@ def state_update_bytes(moments: str) -> float:
 class Prediction:
     candidate: Candidate
     total: float | None  # seconds per step; None when a part is unknown
-    phases: dict = field(default_factory=dict)  # forward, head, backward, serial
+    phases: dict = field(default_factory=dict)  # forward, head, backward, serial; a VLM's vision (its tower's)
     parts: dict = field(default_factory=dict)  # gpu, pcie, host: each resource's busy seconds
     unknown: list = field(default_factory=list)  # what the probe could not measure here
     device_bytes: int = 0
@@ -240,24 +243,35 @@ def predict(fig: MachineFigures, layer: LayerTiming | None, model: ModelFigures,
     head_prep = head * (prep / P)
     if gpu_head is not None and head_h2d is not None:
         head_phase = max(gpu_head, head_prep, head_h2d) if cuda else gpu_head + head_prep
-    bwd_host = bwd_transfers * cast_s(u_bwd) + host(S * P + head, LAND_B, u_bwd)
-    if worker and not coded:
-        bwd_host += (host(S * P + head + model.embed_params, MOMENTS_B, u_bwd) if shape.clipped
-                     else host(S * P + head, UPDATE_B, u_bwd))
+    # per param of a landing gradient: the lander, and the AdamW work of this phase (moments, or a whole update)
+    land_pp = host(1, LAND_B, u_bwd) + (host(1, MOMENTS_B if shape.clipped else UPDATE_B, u_bwd)
+                                        if worker and not coded else 0.0)
+    bwd_host = bwd_transfers * cast_s(u_bwd) + (S * P + head) * land_pp
+    if worker and not coded and shape.clipped:  # the embedding's moments too
+        bwd_host += host(model.embed_params, MOMENTS_B, u_bwd)
     if gpu_bwd is not None and bwd_pcie is not None:
         backward = max(gpu_bwd, bwd_pcie, bwd_host) if cuda else gpu_bwd + bwd_host
-    if worker:  # the embedding's update: its rows are gathered on the host before the next forward starts
-        serial = coded_s(model.embed_params, 0.0) if coded else \
-            host(model.embed_params, WEIGHTS_B if shape.clipped else UPDATE_B, 0.0)
-    else:  # every update after the backward, nothing to overlap it
-        serial = coded_s(S * P + head + model.embed_params, 0.0) if coded else \
-            host(S * P + head + model.embed_params, UPDATE_B, 0.0)
+    # the embedding's update: its rows are gathered on the host before the next forward starts; without the
+    # optimizer thread every update, after the backward, nothing to overlap it
+    n_serial = model.embed_params + (0 if worker else S * P + head)
+    serial = coded_s(n_serial, 0.0) if coded else \
+        host(n_serial, WEIGHTS_B if worker and shape.clipped else UPDATE_B, 0.0)
+
+    # ---- a VLM's tower (vision_terms.py): each tower parameter priced as a streamed decoder layer's above
+    linked = cuda and all(link.values())
+    pp = PerParam(*(b / (link[k] * 1e9) if linked else None for k, b in (
+        ("h2d_gbps", w), ("duplex_gbps", w), ("h2d_gbps", 4 if shape.masters == "fp32" else 2))),
+        prep / P, cast_s(u_fwd) / P, cast_s(u_bwd) / P + land_pp, serial / max(1, n_serial), worker)
+    tower = tower_phase(model.tower, layer, A, pp, cuda=cuda)
 
     phases = {"forward": forward, "head": head_phase, "backward": backward, "serial": serial}
-    gpu = None if f is None or gpu_head is None or gpu_bwd is None else \
-        sum(fwd(i) for i in range(L)) + gpu_head + gpu_bwd
-    pcie = None if fwd_pcie is None else fwd_pcie + bwd_pcie + (head_h2d or 0.0)
-    host_work = S * prep + head_prep + bwd_host + serial
+    if model.tower is not None:
+        phases["vision"] = None if tower["forward"] is None else tower["forward"] + tower["backward"] + tower["serial"]
+    gpu = None if f is None or gpu_head is None or gpu_bwd is None or tower["gpu"] is None else \
+        sum(fwd(i) for i in range(L)) + gpu_head + gpu_bwd + tower["gpu"]
+    pcie = None if fwd_pcie is None or tower["pcie"] is None else \
+        fwd_pcie + bwd_pcie + (head_h2d or 0.0) + tower["pcie"]
+    host_work = S * prep + head_prep + bwd_host + serial + tower["host"]
     total = None if any(v is None for v in phases.values()) else sum(phases.values())
     return Prediction(cand, total, phases, {"gpu": gpu, "pcie": pcie, "host": host_work}, unknown)
 
@@ -296,7 +310,7 @@ def _planned(r, adapter, device, cand_engine: dict, budget):
 def predict_plan(r, adapter, device: torch.device, plan, fig: MachineFigures, layer: LayerTiming | None, *,
                  clipped: bool = True) -> Prediction:
     """The prediction for the plan `plan_step` made for `r` (what bench and train compare with the measured)."""
-    model = ModelFigures.of(adapter, recipe_shape(r, device)["dtype"])
+    model = ModelFigures.of(adapter, recipe_shape(r, device)["dtype"], frozen_of(r, adapter))
     shape = dataclasses.replace(shape_of(r, device, clipped=clipped), disk=plan.disk_state is not None)
     return predict(fig, layer, model, shape, candidate_of(plan, device))
 
@@ -334,7 +348,7 @@ def choose(r, adapter, device: torch.device, fig: MachineFigures, layer: LayerTi
     (its own fallback and long-context choices included) is always among them."""
     from megatrain_cli.engine.plan.step_plan import device_budget
 
-    model = ModelFigures.of(adapter, recipe_shape(r, device)["dtype"])
+    model = ModelFigures.of(adapter, recipe_shape(r, device)["dtype"], frozen_of(r, adapter))
     shape = shape_of(r, device, clipped=clipped)
     budget = device_budget(r, device)
     resident = resident if resident is not None else resident_options(r, model.num_layers, device)
