@@ -31,15 +31,27 @@ def test_rows_hold_images_of_the_asked_size_and_no_loss_on_them():
     assert mb.images["image_grid_thw"].tolist() == [[1, 8, 8]] * 4
     assert not ((mb.labels != IGNORE_INDEX) & (mb.input_ids == config.image_token_id)).any()
     assert torch.equal(rows(0)[1].input_ids, mbs[1].input_ids), "seeded: the native baseline sees the same rows"
+    # the planner's probe times the tower on pixel rows of these rows' shape (engine/vision_probe.py)
+    from megatrain_cli.engine.vision_probe import image_inputs
+
+    assert rows.probe_images == (2 * 2, 8)
+    probed = image_inputs(config.vision_config, *rows.probe_images)
+    assert {k: v.shape for k, v in probed.items()} == {k: v.shape for k, v in mb.images.items()}
+    assert torch.equal(probed["image_grid_thw"], mb.images["image_grid_thw"])
     with pytest.raises(ValueError, match="train.seq_len: 16 tokens cannot hold 1 image"):
         VisionRows(vlm_recipe(**{"train.seq_len": 16}), config, micro_batches=1)
 
 
-def test_bench_trains_the_tower_and_reports_images_per_second():
-    res = run_bench(vlm_recipe(), BenchRun(steps=1, warmup=1), log=lambda line: None)
+def test_bench_trains_the_tower_and_reports_images_per_second(tmp_path):
+    lines = []
+    res = run_bench(vlm_recipe(), BenchRun(steps=1, warmup=1, predict=True, probe_cache=str(tmp_path)),
+                    log=lines.append)
     assert res.tokens_per_s > 0 and res.images_per_s == pytest.approx(2 / res.step_time_s)
     assert len(res.losses) == 2 and all(l > 0 for l in res.losses)
     assert "images/s" in format_table([res]) and "112x112 px" in res.packed
+    # the prediction prices the tower at the rows' images (timed by the probe on this CPU)
+    assert res.predicted["phases"]["vision"] > 0 and res.predicted["layer"]["vision_backward_s"] > 0
+    assert any("of it) for a" in line and "the vision tower" in line for line in lines)
 
 
 def test_packed_rows_hold_whole_image_chats_back_to_back():
@@ -65,6 +77,9 @@ def test_packed_rows_hold_whole_image_chats_back_to_back():
             assert mb.images["pixel_values"].shape[0] == 64 * mb.images["image_grid_thw"].shape[0]
             assert not ((mb.labels != IGNORE_INDEX) & (mb.input_ids == image)).any()
     assert docs > 3 * 2 * 2 * 2, "several documents a row"
+    # the planner's probe times the tower at the packed rows' images a micro-batch (their mean), not one a row
+    images, grid = rows.probe_images
+    assert grid == 8 and images > 2 and abs(images - rows.images_in([0, 1, 2]) / 2) <= 1.5
     assert rows.attended_per_step([0]) < 2 * 2 * 96 ** 2  # attention within documents only
     assert "documents/row" in rows.describe() and "per document" in rows.describe()
     with pytest.raises(ValueError, match="bench.doc_lengths=data: a vision-language model's bench builds synthetic"):
