@@ -15,8 +15,9 @@ work as a gradient lands), so the two models cannot drift apart:
 
 `model.freeze_vision`: forward only, no re-stream, no gradient, no update. Text rows (no images a step: both
 probed times 0) run no tower at all. Left out: the projector's and patch embedding's GPU work and gradient
-(small beside 32 layers), windowed against full attention layers (the probe times layer 0's), and the packer's
-weights pass on a tower tile after a clipped step (24 B/param where the decoder's update on read is 20).
+(small beside 32 layers), windowed against full attention layers (the probe times layer 0's), and, with fp32
+moments, the worker's weights pass + cast on a tower tile after a clipped step (24 B/param where the decoder's
+update on read, the price used, is 20).
 """
 
 from __future__ import annotations
