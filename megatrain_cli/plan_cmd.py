@@ -16,7 +16,7 @@ import torch
 from megatrain_cli.engine.plan.predict import GiB, Prediction, choose, fmt_s, interval_label, overrides
 from megatrain_cli.engine.plan.probe import MachineFigures, Probe, load_or_probe, recipe_shape
 from megatrain_cli.recipe import Recipe
-from megatrain_cli.train.predicted import vision_part
+from megatrain_cli.train.predicted import data_images, vision_part
 
 ROWS = 8  # runners-up shown: enough to see the trade-off, short enough to read
 
@@ -61,7 +61,7 @@ def run_plan(r: Recipe, *, reprobe: bool = False, cache_dir: Path | None = None,
         as_written = plan_step(r, adapter, device)
     except ValueError:
         as_written = None  # no plan serves it: choose() below says why
-    shape = recipe_shape(r, device, as_written, _packed_docs(r, tokenizer, log))
+    shape = recipe_shape(r, device, as_written, _packed_docs(r, tokenizer, log), data_images(r, adapter, log))
     machine, layer = to_measure(adapter, cache_dir=cache_dir, reprobe=reprobe, **shape)
     if machine or layer:
         # The cache is written after probing: one that cannot be is refused first, not after the measurement.

@@ -53,6 +53,19 @@ class ImageTrainData(TrainData):
         return mb
 
 
+    def probe_images(self, micro_batch_size: int) -> tuple[int, int] | None:
+        """The planner probe's tower shape for these rows (engine/plan/probe.recipe_shape): (images a micro-batch,
+        patches a side), as square images of the data's mean patches each (the tower's work is linear in
+        patches: attention runs per image or window); None without images, or for a processor of a fixed count
+        (LLaVA, Gemma 3: the probe's pixel rows are Qwen-VL's)."""
+        merge = int(getattr(self.processor, "merge", 0) or 0)
+        images = sum(map(len, self.images))
+        if not images or not merge:
+            return None
+        patches = int((self.tokens == self.processor.image_token_id).sum()) * merge ** 2 / images
+        return max(1, round(images / self.num_rows * micro_batch_size)), merge * max(1, round(patches ** 0.5 / merge))
+
+
 def encode_example(processor, ex: Example, template: str, train_on: str) -> tuple[list[int], list[int]]:
     """(ids, loss mask) of one example with images, as the processor reads it."""
     marker = processor.marker

@@ -16,7 +16,7 @@ import torch
 
 from megatrain_cli.recipe import Recipe, render_yaml
 from megatrain_cli.train.errors import TrainingError, out_of_memory_message, tier_failure
-from megatrain_cli.train.predicted import against, describe, disk_lines, method_lines, prediction
+from megatrain_cli.train.predicted import against, data_images, describe, disk_lines, method_lines, prediction
 from megatrain_cli.train.setup import DTYPES, build_engine, build_store, lean_allocator, resolve_device
 
 
@@ -56,7 +56,8 @@ def _train(r: Recipe, *, dry_run: bool, force: bool, dist=None) -> int:
     adapter = ModelAdapter(config)
     plan = plan_step(r, adapter, device, one_process=dist is None)
     # the step the planner predicts from this machine's cached probe (one process: ranks are not modelled)
-    pred = prediction(r, adapter, device, plan) if dist is None and not plan.problems else None
+    pred = prediction(r, adapter, device, plan, images=data_images(r, adapter) if dry_run else None) \
+        if dist is None and not plan.problems else None  # the dry run reads a VLM's images as `plan` timed them
     preflight.check_tier_space(r, plan.memory.disk_total // (dist.world if dist is not None else 1))
     disk = preflight.run_disk_problem(r, config)
     if disk:
@@ -104,12 +105,14 @@ def _loop(r: Recipe, device, tokenizer, config, plan, dist=None, pred=None, pref
     out = Path(r.output_dir)
     # The data and the checkpoint to resume, each refused when it cannot be right: before anything is written.
     data, held_out, total, candidates = _inputs(r, tokenizer, dist, lead, out, pref, grpo)
-    if pred is not None and r.data.packing and pref is None and grpo is None:  # priced by its rows' documents
+    # priced by its rows' documents, and a VLM's tower by its rows' images (data/image_rows.py)
+    images = data.probe_images(r.train.micro_batch_size) if hasattr(data, "probe_images") else None
+    if pred is not None and (r.data.packing or images) and pref is None and grpo is None:
         from megatrain_cli.engine.plan.probe import docs_per_row
         from megatrain_cli.models.adapter import ModelAdapter
 
-        pred = prediction(r, ModelAdapter(config), device, plan,
-                          docs=docs_per_row(data.attention_pairs_per_row(), r.train.seq_len))
+        docs = docs_per_row(data.attention_pairs_per_row(), r.train.seq_len) if r.data.packing else None
+        pred = prediction(r, ModelAdapter(config), device, plan, docs=docs, images=images)
     made = [d for d in (out, *out.parents) if not d.exists()]  # removed again if the run writes nothing
     out.mkdir(parents=True, exist_ok=True)
     lock, problem = OutputLock(out), None

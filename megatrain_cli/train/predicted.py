@@ -11,14 +11,18 @@ import math
 import torch
 
 
-def prediction(r, adapter, device: torch.device, plan, cache_dir=None, docs: int | None = None):
+def prediction(r, adapter, device: torch.device, plan, cache_dir=None, docs: int | None = None, images=None):
     """The Prediction for `plan` from the cached probe (a clipped step when train.max_grad_norm is set), or
     None when this machine was never probed. `docs`: packed rows' docs_per_row (engine/plan/probe.py), once the
-    data is read; their timing is used when `megatrain plan` or `bench` cached it, else one document a row's."""
+    data is read; their timing is used when `megatrain plan` or `bench` cached it, else one document a row's.
+    `images`: a VLM's (images a micro-batch, patches a side) from its data; where `megatrain plan` never timed
+    them, the timing without images if one is cached (the tower at 0, the line says so)."""
     from megatrain_cli.engine.plan.predict import predict_plan
     from megatrain_cli.engine.plan.probe import read_cached, recipe_shape
 
-    probe = read_cached(adapter, **recipe_shape(r, device, plan, docs), cache_dir=cache_dir)
+    probe = read_cached(adapter, **recipe_shape(r, device, plan, docs, images), cache_dir=cache_dir)
+    if probe is not None and probe.layer is None and images is not None:  # `megatrain plan` never timed them
+        probe = read_cached(adapter, **recipe_shape(r, device, plan, docs), cache_dir=cache_dir)
     packed = "within documents" if docs is not None else "as one document per row"
     if probe is not None and probe.layer is None and docs is not None:
         probe, packed = read_cached(adapter, **recipe_shape(r, device, plan), cache_dir=cache_dir), \
@@ -29,6 +33,29 @@ def prediction(r, adapter, device: torch.device, plan, cache_dir=None, docs: int
                         clipped=r.train.max_grad_norm is not None)
     pred.packed = packed if r.data.packing else ""
     return pred
+
+
+def data_images(r, adapter, log=None) -> tuple[int, int] | None:
+    """A VLM's images as `train` reads them (its processor over the data's training split), as the probe times
+    the tower (data/image_rows.ImageTrainData.probe_images): what `megatrain plan` times and the dry run reads
+    back (before train's own data is built). None: a text model, text rows, another method."""
+    from megatrain_cli.data import load_examples, split_examples
+
+    if adapter.vision is None or r.train.method != "sft":
+        return None
+    examples = load_examples(r.data)
+    if not any(ex.images for ex in examples):
+        return None
+    from megatrain_cli.data.image_rows import build_image_data
+    from megatrain_cli.models.processor import load_processor
+
+    processor = load_processor(r.model.tokenizer or r.model.path, r.model.trust_remote_code)
+    data = build_image_data(split_examples(examples, r.data)[0], processor, r.data, r.train.seq_len, r.train.seed)
+    images = data.probe_images(r.train.micro_batch_size)
+    if images is not None and log is not None:
+        log(f"images: {images[0]} a micro-batch, {images[1]} x {images[1]} patches each on average "
+            f"({r.data.source}); the vision tower is timed at that")
+    return images
 
 
 def describe(pred) -> str:
@@ -48,12 +75,12 @@ def describe(pred) -> str:
 
 
 def vision_part(phases: dict) -> str:
-    """A VLM's tower in a prediction's parts ('' for a text model). 0: priced as text rows, which is all `train`
-    and `plan` know until they read the data's image sizes (`megatrain bench` times its images)."""
+    """A VLM's tower in a prediction's parts ('' for a text model). 0: no images timed: text rows, the dry run
+    (before the data is read), or images `megatrain plan` has not timed on this machine."""
     v = phases.get("vision", "")
     if v == "" or v is None:
         return "" if v == "" else ", vision ?"
-    return f", vision {v:.3f}" + ("" if v else " (text rows: the data's images are not priced yet, docs/vlm.md)")
+    return f", vision {v:.3f}" + ("" if v else " (no images timed: `megatrain plan RECIPE` times the data's)")
 
 
 def disk_lines(r, plan, pred) -> list[str]:

@@ -4,6 +4,7 @@ place in predict.py's step, and the layer probe's timing of one tower layer on a
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from megatrain_cli.engine.plan import probe as pb
 from megatrain_cli.engine.plan.predict import Candidate, predict
 from megatrain_cli.engine.plan.vision_terms import PerParam, TowerFigures, tower_phase
 from tests.engine.test_plan_predict import FIG, LAYER, MODEL, QUICK, SHAPE, SMALL
+from tests.helpers_bad_inputs import megatrain
 
 A = SHAPE.grad_accum
 TOWER = TowerFigures(layers=32, layer_params=2e7, trained_layers=32, outer_params=int(5e7), trained_outer=int(5e7))
@@ -104,7 +106,7 @@ def test_plan_table_and_lines_show_the_vision_phase():
     assert " vision " in table([p]).splitlines()[0] and f"{p.phases['vision']:.3f}" in table([p]).splitlines()[1]
     assert f"vision {p.phases['vision']:.3f}" in describe(p)
     text_rows = predict(QUICK, LAYER, VLM, SHAPE, CAND)
-    assert "vision 0.000 (text rows" in describe(text_rows)
+    assert "vision 0.000 (no images timed" in describe(text_rows)
     assert "vision" not in describe(predict(QUICK, LAYER, MODEL, SHAPE, CAND))
 
 
@@ -145,3 +147,61 @@ def test_the_layer_probe_times_a_tower_layer_on_the_cpu(tmp_path):
     text = pb.read_cached(adapter, **{**{k: v for k, v in args.items() if k not in ("machine_args", "measure_layer")},
                                       "vision_images": None})
     assert text is not None and text.layer is None  # text rows are another timing, not this one
+
+
+VLM_TINY = Path(__file__).resolve().parents[2] / "recipes" / "vlm-tiny.yaml"
+
+
+def test_the_datas_images_as_the_probe_times_them():
+    """ImageTrainData.probe_images from the ids' image tokens equals what the processor's own tensors hold:
+    images a micro-batch over the rows, the mean patches per image as a square of whole merged patches."""
+    from megatrain_cli.data import load_examples, split_examples
+    from megatrain_cli.data.image_rows import build_image_data
+    from megatrain_cli.models.processor import load_processor
+    from megatrain_cli.recipe import load_recipe
+
+    r = load_recipe(VLM_TINY)
+    processor = load_processor(r.model.tokenizer or r.model.path)
+    data = build_image_data(split_examples(load_examples(r.data), r.data)[0], processor, r.data, r.train.seq_len,
+                            r.train.seed)
+    grids = torch.cat([data.micro_batch([row]).images["image_grid_thw"] for row in range(data.num_rows)
+                       if any(data.images[ex] for ex in data.rows[row])])
+    images, patches = grids.shape[0], int(grids.prod(-1).sum())
+    side = processor.merge * max(1, round((patches / images) ** 0.5 / processor.merge))
+    assert data.probe_images(3) == (round(images / data.num_rows * 3), side)
+
+
+def test_plan_times_the_towers_layer_at_the_datas_images(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the default cache folder, which `train` reads
+    tmp_path = pb.default_cache_dir()
+    pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL)  # the machine figures: cached, small and quick
+    result = megatrain("plan", VLM_TINY)
+    out = result.output
+    assert result.exit_code == 0, out
+    assert "images: " in out and "the vision tower is timed at that" in out
+    vision = float(out.split("not overlapped ", 1)[1].split(", vision ", 1)[1].split(";")[0])
+    assert vision > 0 and " vision " in out  # the phase, and its column in the table
+    dry = megatrain("train", VLM_TINY, "--dry-run").output  # reads the data's images as `plan` timed them
+    assert f", vision {vision:.3f}; docs/planner.md)" in dry
+    # `train` once its data is read (train/loop.py): the cached timing at those images, else the tower at 0
+    from megatrain_cli.data import load_examples, split_examples
+    from megatrain_cli.data.image_rows import build_image_data
+    from megatrain_cli.engine.plan.step_plan import plan_step
+    from megatrain_cli.models.adapter import ModelAdapter
+    from megatrain_cli.models.processor import load_processor
+    from megatrain_cli.models.tokenizer import load_tokenizer
+    from megatrain_cli.recipe import load_recipe
+    from megatrain_cli.train.predicted import prediction
+    from megatrain_cli.train.setup import model_config
+
+    r = load_recipe(VLM_TINY)
+    adapter = ModelAdapter(model_config(r, load_tokenizer(r.model)))
+    data = build_image_data(split_examples(load_examples(r.data), r.data)[0], load_processor(r.model.tokenizer),
+                            r.data, r.train.seq_len, r.train.seed)
+    images = data.probe_images(r.train.micro_batch_size)
+    plan = plan_step(r, adapter, torch.device("cpu"))
+    timed = prediction(r, adapter, torch.device("cpu"), plan, cache_dir=tmp_path, images=images)
+    assert timed.phases["vision"] == pytest.approx(vision, abs=5e-4)
+    other = (images[0] + 1, images[1])  # images never timed: no timing without images cached either here
+    untimed = prediction(r, adapter, torch.device("cpu"), plan, cache_dir=tmp_path, images=other)
+    assert untimed.total is None and untimed.unknown == ["layer timing"]
