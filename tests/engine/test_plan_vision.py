@@ -175,13 +175,14 @@ def test_plan_times_the_towers_layer_at_the_datas_images(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # the default cache folder, which `train` reads
     tmp_path = pb.default_cache_dir()
     pb.load_or_probe(cache_dir=tmp_path, machine_args=SMALL)  # the machine figures: cached, small and quick
-    result = megatrain("plan", VLM_TINY)
+    result = megatrain("plan", VLM_TINY, "engine.device=cpu")  # the CPU's timing, on a GPU machine too
     out = result.output
     assert result.exit_code == 0, out
     assert "images: " in out and "the vision tower is timed at that" in out
     vision = float(out.split("not overlapped ", 1)[1].split(", vision ", 1)[1].split(";")[0])
     assert vision > 0 and " vision " in out  # the phase, and its column in the table
-    dry = megatrain("train", VLM_TINY, "--dry-run").output  # reads the data's images as `plan` timed them
+    # the dry run reads the data's images as `plan` timed them
+    dry = megatrain("train", VLM_TINY, "--dry-run", "engine.device=cpu").output
     assert f", vision {vision:.3f}; docs/planner.md)" in dry
     # `train` once its data is read (train/loop.py): the cached timing at those images, else the tower at 0
     from megatrain_cli.data import load_examples, split_examples
@@ -194,7 +195,7 @@ def test_plan_times_the_towers_layer_at_the_datas_images(tmp_path, monkeypatch):
     from megatrain_cli.train.predicted import prediction
     from megatrain_cli.train.setup import model_config
 
-    r = load_recipe(VLM_TINY)
+    r = load_recipe(VLM_TINY, ["engine.device=cpu"])
     adapter = ModelAdapter(model_config(r, load_tokenizer(r.model)))
     data = build_image_data(split_examples(load_examples(r.data), r.data)[0], load_processor(r.model.tokenizer),
                             r.data, r.train.seq_len, r.train.seed)
