@@ -15,11 +15,10 @@ passes each way.
 
 from __future__ import annotations
 
-import statistics
-import time
 
 import torch
 
+from megatrain_cli.engine.plan.probe import timed
 from megatrain_cli.engine.vision_phase import tower_backward, tower_forward
 from megatrain_cli.models.vision import EMBED, PROJECTOR, vision_tile
 
@@ -33,21 +32,6 @@ def image_inputs(vision_config, images: int, grid: int, *, seed: int = 0) -> dic
     g = torch.Generator().manual_seed(seed)
     return {"pixel_values": torch.randn(images * grid * grid, dim, generator=g),
             "image_grid_thw": torch.tensor([[1, grid, grid]] * images)}
-
-
-def _median_s(fn, *, cuda: bool, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def measure_tower(engine, *, images: int, grid: int, reps: int = 3, warmup: int = 1) -> tuple[float, float]:
@@ -79,8 +63,7 @@ def measure_tower(engine, *, images: int, grid: int, reps: int = 3, warmup: int 
     out = tower_forward(template, frozen_w, hidden, args, kwargs)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(dev, out.dtype)
     cuda = dev.type == "cuda"
-    fwd = _median_s(lambda: tower_forward(template, frozen_w, hidden, args, kwargs), cuda=cuda, reps=reps,
-                    warmup=warmup)
-    bwd = _median_s(lambda: tower_backward(template, grad_w, hidden, args, kwargs, grad), cuda=cuda, reps=reps,
-                    warmup=warmup)
+    fwd = timed(lambda: tower_forward(template, frozen_w, hidden, args, kwargs), cuda=cuda, reps=reps, warmup=warmup)
+    bwd = timed(lambda: tower_backward(template, grad_w, hidden, args, kwargs, grad), cuda=cuda, reps=reps,
+                warmup=warmup)
     return fwd, bwd

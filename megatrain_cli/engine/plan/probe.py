@@ -174,7 +174,7 @@ def docs_per_row(pairs_per_row: float, seq_len: int) -> int:
 
 
 # ------------------------------------------------------------------ timing helpers
-def _timed(fn: Callable[[], object], *, reps: int, warmup: int = 1, cuda: bool = False) -> float:
+def timed(fn: Callable[[], object], *, reps: int, warmup: int = 1, cuda: bool = False) -> float:
     """The median seconds of `fn` over `reps` runs after `warmup` (CUDA: synchronized around each)."""
     for _ in range(warmup):
         fn()
@@ -263,7 +263,7 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
     say(f"probe: host AdamW ({opt.kernel}) over {tile.numel / 1e6:.0f} M params")
     # A process's first host passes run slower (its OpenMP team and pages still cold): the host figures are
     # timed after HOST_WARMUP passes, as a training run's steady state sees them.
-    fig.adamw_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps, warmup=HOST_WARMUP)
+    fig.adamw_params_per_s = tile.numel / timed(lambda: opt.update(tile, 1e-5), reps=reps, warmup=HOST_WARMUP)
 
     # The one-pass update over coded moments decodes, updates and codes again with stochastic rounding: arithmetic
     # more than bandwidth, so it is timed itself, not priced by its bytes at the fp32 pass's GB/s (a 7B step
@@ -276,7 +276,7 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
                                                   HostAdamW(sr, kernel="auto"))
     for m, (t, o) in coded.items():
         say(f"probe: host AdamW over {m} moments")
-        fig.state_params_per_s[m] = t.numel / _timed(lambda: o.update(t, 1e-5), reps=reps, warmup=HOST_WARMUP)
+        fig.state_params_per_s[m] = t.numel / timed(lambda: o.update(t, 1e-5), reps=reps, warmup=HOST_WARMUP)
 
     src = tile.master
     dst = torch.empty(src.numel(), dtype=torch.bfloat16, pin_memory=cuda)
@@ -286,33 +286,33 @@ def measure_machine(*, tile_bytes: int = 256 << 20, link_bytes: int = 256 << 20,
             opt.update_weights_span(tile, 1e-5, 0.5, 0, tile.numel, dst)
             opt.count_step(tile)
         emit = _emit
-        fig.emit_params_per_s = tile.numel / _timed(emit, reps=reps, warmup=HOST_WARMUP)
+        fig.emit_params_per_s = tile.numel / timed(emit, reps=reps, warmup=HOST_WARMUP)
     say("probe: fp32 -> bf16 cast into pinned memory" if cuda else "probe: fp32 -> bf16 cast")
-    fig.cast_elems_per_s = src.numel() / _timed(lambda: dst.copy_(src), reps=reps, warmup=HOST_WARMUP)
+    fig.cast_elems_per_s = src.numel() / timed(lambda: dst.copy_(src), reps=reps, warmup=HOST_WARMUP)
 
     if cuda:
         say(f"probe: PCIe, {link_bytes >> 20} MiB copies")
         dma = _Dma(link_bytes)
-        fig.h2d_gbps = link_bytes / _timed(lambda: dma.dev_in.copy_(dma.host_in, non_blocking=True), reps=reps,
+        fig.h2d_gbps = link_bytes / timed(lambda: dma.dev_in.copy_(dma.host_in, non_blocking=True), reps=reps,
                                            cuda=True) / 1e9
-        fig.d2h_gbps = link_bytes / _timed(lambda: dma.host_out.copy_(dma.dev_out, non_blocking=True), reps=reps,
+        fig.d2h_gbps = link_bytes / timed(lambda: dma.host_out.copy_(dma.dev_out, non_blocking=True), reps=reps,
                                            cuda=True) / 1e9
-        fig.duplex_gbps = link_bytes / _timed(dma.both_once, reps=reps, cuda=True) / 1e9
+        fig.duplex_gbps = link_bytes / timed(dma.both_once, reps=reps, cuda=True) / 1e9
         with dma:
-            fig.adamw_under_dma_params_per_s = tile.numel / _timed(lambda: opt.update(tile, 1e-5), reps=reps)
+            fig.adamw_under_dma_params_per_s = tile.numel / timed(lambda: opt.update(tile, 1e-5), reps=reps)
             if emit is not None:
-                fig.emit_under_dma_params_per_s = tile.numel / _timed(emit, reps=reps)
+                fig.emit_under_dma_params_per_s = tile.numel / timed(emit, reps=reps)
             for m, (t, o) in coded.items():
-                fig.state_under_dma_params_per_s[m] = t.numel / _timed(lambda: o.update(t, 1e-5), reps=reps)
+                fig.state_under_dma_params_per_s[m] = t.numel / timed(lambda: o.update(t, 1e-5), reps=reps)
         del dma
         say(f"probe: bf16 GEMM {gemm_n}^3, device memory")
         a = torch.randn(gemm_n, gemm_n, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(gemm_n, gemm_n, device="cuda", dtype=torch.bfloat16)
-        fig.gemm_tflops = 2.0 * gemm_n ** 3 / _timed(lambda: a @ b, reps=reps, cuda=True) / 1e12
+        fig.gemm_tflops = 2.0 * gemm_n ** 3 / timed(lambda: a @ b, reps=reps, cuda=True) / 1e12
         del a, b
         x = torch.empty(link_bytes * 4, dtype=torch.uint8, device="cuda")
         y = torch.empty_like(x)
-        fig.device_gbps = 2 * x.numel() / _timed(lambda: y.copy_(x), reps=reps, cuda=True) / 1e9
+        fig.device_gbps = 2 * x.numel() / timed(lambda: y.copy_(x), reps=reps, cuda=True) / 1e9
         del x, y
         torch.cuda.empty_cache()
     return fig
