@@ -169,7 +169,7 @@ def busy_note(loadavg: tuple[float, ...] | None = None, cpus: int | None = None)
     1-minute load average against the usable CPUs. Busy figures come out low and stay cached."""
     try:
         load = (loadavg or os.getloadavg())[0]
-    except OSError:  # not available on this platform
+    except (AttributeError, OSError):  # no load average on this platform (Windows), or none readable
         return ""
     cpus = cpus or usable_cpus()
     if load < max(2.0, 0.5 * cpus):
