@@ -19,9 +19,8 @@ from __future__ import annotations
 import torch
 
 from megatrain_cli.batch import IGNORE_INDEX, MicroBatch
+from megatrain_cli.bench.loop import POOL_ROWS  # packed: documents for at least this many rows are drawn
 from megatrain_cli.metrics.flops import attention_pairs
-
-POOL_ROWS = 64  # packed: documents for at least this many rows are drawn (bench/loop.py's pool)
 
 
 class VisionRows:
