@@ -52,7 +52,6 @@ class ImageTrainData(TrainData):
         mb.images = self.processor.images(paths) if paths else None
         return mb
 
-
     def probe_images(self, micro_batch_size: int) -> tuple[int, int] | None:
         """The planner probe's tower shape for these rows (engine/plan/probe.recipe_shape): (images a micro-batch,
         patches a side), as square images of the data's mean patches each (the tower's work is linear in

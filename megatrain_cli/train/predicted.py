@@ -77,9 +77,11 @@ def describe(pred) -> str:
 def vision_part(phases: dict) -> str:
     """A VLM's tower in a prediction's parts ('' for a text model). 0: no images timed: text rows, the dry run
     (before the data is read), or images `megatrain plan` has not timed on this machine."""
-    v = phases.get("vision", "")
-    if v == "" or v is None:
-        return "" if v == "" else ", vision ?"
+    if "vision" not in phases:
+        return ""
+    v = phases["vision"]
+    if v is None:
+        return ", vision ?"
     return f", vision {v:.3f}" + ("" if v else " (no images timed: `megatrain plan RECIPE` times the data's)")
 
 
